@@ -1,0 +1,189 @@
+"""Multi-process helpers for tests and examples: spawn ranks on CPU with gloo.
+
+Every distributed test in recsdk goes through :func:`run_distributed`, so that ports,
+process-group timeouts and failure propagation are handled in one place: a failure on one
+rank is raised in the caller with that rank's traceback, and the other ranks are stopped,
+never left hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["DistributedTestError", "build_wheel_files", "free_port", "run_distributed"]
+
+
+class DistributedTestError(RuntimeError):
+    """Raised by :func:`run_distributed` when a rank fails or the ranks time out."""
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (bound once, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            # No barrier here: a failed rank must not wait for the others.
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    start_method: str = "fork",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes over gloo.
+
+    Each process joins a gloo process group on a free localhost port (timeout
+    ``timeout_s``) with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, so code under test can
+    create further groups with ``dist.new_group``.
+
+    Args:
+        fn (Callable): a picklable function ``fn(rank, world_size, *args)``; its return
+            value must be picklable.
+        world_size (int): number of ranks (>= 1).
+        *args: extra arguments passed to every rank.
+        timeout_s (float): process-group timeout and overall deadline, in seconds.
+        start_method (str): ``"fork"`` (fast, default) or ``"spawn"``.
+
+    Returns:
+        list: the return values of ``fn``, indexed by rank.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is included), exited without
+            a result, or the ranks did not finish within the deadline.
+
+    Example::
+
+        def _check(rank, world_size):
+            t = torch.tensor([rank])
+            dist.all_reduce(t)
+            return int(t)
+
+        assert run_distributed(_check, 2) == [1, 1]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx: Any = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s + 30.0
+    grace_deadline: float | None = None
+    try:
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            if now >= limit:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(0.5, limit - now))
+            except queue.Empty:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in outputs and r not in failures and p.exitcode not in (0, None)
+                ]
+                for r in dead:
+                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} before reporting a result"
+                if failures and grace_deadline is None:
+                    grace_deadline = time.monotonic() + 10.0
+                continue
+            if ok:
+                outputs[rank] = payload
+            else:
+                failures[rank] = payload
+                if grace_deadline is None:
+                    grace_deadline = time.monotonic() + 10.0
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+    if len(outputs) < world_size:
+        missing = sorted(set(range(world_size)) - set(outputs))
+        raise DistributedTestError(f"ranks {missing} did not finish within {timeout_s:.0f}s (+30s grace)")
+    return [outputs[r] for r in range(world_size)]
+
+
+def build_wheel_files(package_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> list[str]:
+    """Build the wheel of one recsdk package and list the files it holds.
+
+    Used by each package's packaging test, so that a broken ``recsdk`` namespace (a stray
+    ``recsdk/__init__.py``, a file outside ``recsdk/<name>/``) can never ship.
+
+    Args:
+        package_dir: the package's folder, e.g. ``packages/recsdk-data``.
+        out_dir: where the wheel is written.
+
+    Returns:
+        list[str]: the archive names in the wheel, ``*.dist-info`` entries included.
+    """
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    out = Path(out_dir)
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*pip, "-w", str(out), str(package_dir)], check=True)
+    wheels = sorted(out.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"expected one wheel in {out}, found {[w.name for w in wheels]}")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        return zf.namelist()

@@ -1,0 +1,3 @@
+"""recsdk-embedding."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""recsdk-pipeline."""
+
+__all__: list[str] = []

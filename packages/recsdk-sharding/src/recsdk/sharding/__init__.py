@@ -1,0 +1,3 @@
+"""recsdk-sharding."""
+
+__all__: list[str] = []
