@@ -1,5 +1,7 @@
-"""recsdk-data: the Batch type, datasets and readers, and device helpers."""
+"""recsdk-data: the Batch type, datasets and readers, stable id hashing, and device helpers."""
 
+from recsdk.data.batch import Batch
+from recsdk.data.criteo import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES, CriteoDataset, write_synthetic_criteo
 from recsdk.data.device import (
     DEVICE_TYPES,
     backend_for,
@@ -9,13 +11,28 @@ from recsdk.data.device import (
     npu_available,
     stream_context,
 )
+from recsdk.data.hashing import hash_string, hash_strings, mix64, unmix64
+from recsdk.data.partition import current_shard, resolve_rank_and_world_size
+from recsdk.data.random_dataset import RandomRecDataset
 
 __all__ = [
+    "CRITEO_DENSE_COLUMNS",
+    "CRITEO_SPARSE_FEATURES",
     "DEVICE_TYPES",
+    "Batch",
+    "CriteoDataset",
+    "RandomRecDataset",
     "backend_for",
+    "current_shard",
     "current_stream",
     "get_device",
+    "hash_string",
+    "hash_strings",
+    "mix64",
     "new_stream",
     "npu_available",
+    "resolve_rank_and_world_size",
     "stream_context",
+    "unmix64",
+    "write_synthetic_criteo",
 ]
