@@ -1,0 +1,72 @@
+"""A count-min sketch with conservative update, for bounded-memory admission counting."""
+
+from __future__ import annotations
+
+import torch
+
+from recsdk.embedding.hashing import fmix64
+
+__all__ = ["CountMinSketch"]
+
+# One salt per sketch row; none equals the id table's slot salt or recsdk.sharding's owner salt
+# (0x2545F4914F6CDD1D), so sketch counters, slots and owners are unrelated functions of the id.
+_SALTS = (
+    0x6A09E667F3BCC908,
+    0x1B873593CC9E2D51,
+    0x3C6EF372FE94F82B,
+    0x27D4EB2F165667C5,
+    0x165667B19E3779F9,
+    0x61C8864680B583EB,
+    0x7FEB352D846CA68B,
+    0x5851F42D4C957F2D,
+)
+_INT64_MAX = (1 << 63) - 1
+
+
+class CountMinSketch:
+    """Approximate per-id counts in ``num_hashes * width`` int32 counters.
+
+    ``estimate`` never undercounts. ``add_one`` uses conservative update (each counter of an id is
+    raised to at most the id's new estimate), which keeps overcounting low. Counts saturate at
+    ``cap``.
+
+    Args:
+        width (int): counters per row.
+        num_hashes (int): rows (1 to 8).
+        cap (int): counts saturate at this value.
+        device (torch.device): where the counters live.
+    """
+
+    def __init__(self, width: int, num_hashes: int, cap: int, device: torch.device) -> None:
+        if not 1 <= num_hashes <= len(_SALTS):
+            raise ValueError(f"num_hashes must be in [1, {len(_SALTS)}], got {num_hashes}")
+        self.width = width
+        self.num_hashes = num_hashes
+        self.cap = cap
+        self.counters = torch.zeros(width * num_hashes, dtype=torch.int32, device=device)
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Counter index of each id in each row.
+
+        Args:
+            ids (torch.Tensor): int64 ``[n]``.
+
+        Returns:
+            torch.Tensor: int64 ``[num_hashes, n]`` indices into ``counters``.
+        """
+        rows = [
+            fmix64(ids, _SALTS[j]).bitwise_and_(_INT64_MAX).remainder_(self.width).add_(j * self.width)
+            for j in range(self.num_hashes)
+        ]
+        return torch.stack(rows)
+
+    def estimate(self, positions: torch.Tensor) -> torch.Tensor:
+        """Estimated counts (int32 ``[n]``) for ``positions`` from :meth:`positions`."""
+        return self.counters[positions].amin(dim=0)
+
+    def add_one(self, positions: torch.Tensor, estimate: torch.Tensor) -> None:
+        """Count one more sighting of each id (ids must be distinct), given their current estimates."""
+        if positions.numel() == 0:
+            return
+        new = (estimate + 1).clamp_(max=self.cap).expand(self.num_hashes, -1)
+        self.counters.scatter_reduce_(0, positions.reshape(-1), new.reshape(-1), reduce="amax")

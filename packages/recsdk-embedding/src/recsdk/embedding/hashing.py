@@ -1,0 +1,56 @@
+"""A 64-bit integer mixer on torch tensors, used to place ids in the id table and the sketch.
+
+The mixer is MurmurHash3's ``fmix64`` finaliser applied to ``id ^ salt``, computed with int64
+wraparound arithmetic (logical right shifts are emulated with a mask), so it runs on any device
+torch supports and gives the same values everywhere.
+
+It is deliberately a different function from the SplitMix64 finaliser that ``recsdk.data`` uses
+to scramble ids: if a rank's ids were selected by one mixer (``owner(id) = mix(id) % world_size``),
+reusing that same mixer for slots would leave the low bits of every slot on that rank equal and
+crowd the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TABLE_SALT", "fmix64", "fmix64_reference"]
+
+_C1 = 0xFF51AFD7ED558CCD - (1 << 64)
+_C2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+_LOW31 = (1 << 31) - 1  # (x >> 33) & _LOW31 is the logical shift of an int64 by 33
+TABLE_SALT = 0x5BD1E9955BD1E995
+
+
+def fmix64(ids: torch.Tensor, salt: int = TABLE_SALT) -> torch.Tensor:
+    """Mix int64 values: ``fmix64(ids ^ salt)`` with 64-bit wraparound.
+
+    Args:
+        ids (torch.Tensor): int64 tensor, any shape.
+        salt (int): a signed 64-bit constant xored in first (different salts give unrelated hashes).
+
+    Returns:
+        torch.Tensor: int64 tensor of the same shape; a bijection of the 64-bit integers for a given salt.
+
+    Example::
+
+        slots = fmix64(ids) & (num_slots - 1)
+    """
+    h = torch.bitwise_xor(ids, salt)
+    for mult in (_C1, _C2):
+        h.bitwise_xor_(torch.bitwise_right_shift(h, 33).bitwise_and_(_LOW31))
+        h.mul_(mult)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 33).bitwise_and_(_LOW31))
+    return h
+
+
+def fmix64_reference(value: int, salt: int = TABLE_SALT) -> int:
+    """Pure-Python :func:`fmix64` of one signed 64-bit value (for tests and documentation)."""
+    mask = (1 << 64) - 1
+    h = (value ^ salt) & mask
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & mask
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & mask
+    h ^= h >> 33
+    return h - (1 << 64) if h >= 1 << 63 else h

@@ -1,0 +1,822 @@
+"""A collision-free map from raw int64 ids to embedding rows, with admission and eviction.
+
+Layout (all torch tensors on the table's device, so every operation is whole-batch):
+
+* an open-addressing hash table of ``num_slots`` int32 slots (a power of two, at least 1.5x the
+  capacity), each holding a row, ``-1`` (empty) or ``-2`` (tombstone). The key of a slot is
+  ``row_id[row]``, so a slot costs 4 bytes. Occupancy lives in the slot value and in the per-row
+  state, never in the key, so every int64 value is a valid id.
+* per row: ``row_id`` (int64), ``row_state`` (int8: never used / occupied / freed after use),
+  ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts), and a
+  stack of free rows (int32).
+
+Slots are found by linear probing from ``fmix64(id) & (num_slots - 1)``, vectorised in rounds: each
+round reads the current slot of every unresolved id, and only the ids that neither matched nor hit
+an empty slot go on to the next round. New ids claim free slots round by round: every candidate
+writes its row into the slot it reached, reads it back, and the losers probe on. Removal leaves a
+tombstone; tombstones are reused by insertions and cleared by a rehash when they crowd the table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from recsdk.embedding.count_sketch import CountMinSketch
+from recsdk.embedding.hashing import fmix64
+from recsdk.embedding.policies import (
+    EVICTION_POLICY_TYPES,
+    CountAdmission,
+    EvictionPolicy,
+    LFUEviction,
+    TTLEviction,
+)
+
+__all__ = ["IdTable", "TableFullError"]
+
+_EMPTY = -1
+_TOMBSTONE = -2
+_NEVER_USED = 0
+_OCCUPIED = 1
+_RETIRED = 2  # free again, but its embedding row holds a former id's values
+_MAX_CAPACITY = 2**31 - 2
+_SLOTS_PER_ROW = 1.5
+_MAX_SLOT_LOAD = 0.8  # rehash before occupied + tombstone slots pass this fraction
+_INT32_MAX = 2**31 - 1
+_STAT_NAMES = ("inserts", "evictions", "admission_rejects", "lookups", "hits")
+_STATE_KEYS = (
+    "capacity",
+    "ids",
+    "rows",
+    "last_step",
+    "freq",
+    "free_rows",
+    "retired_rows",
+    "reassigned_rows",
+    "admission_counters",
+    "step",
+    "stats",
+)
+
+
+class TableFullError(RuntimeError):
+    """Raised when an id table has no row for a new id and cannot free one.
+
+    The table is left exactly as it was before the failing call.
+    """
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(1, math.ceil(math.log2(max(n, 2))))
+
+
+class IdTable:
+    """Collision-free map from raw int64 ids to rows in ``[0, capacity)``.
+
+    Two different ids never share a row, and an id keeps its row until it is evicted. Every
+    operation works on a whole batch with torch tensor operations (no per-id Python loop), so
+    the table runs on CPU, CUDA or NPU tensors alike. Any int64 value is a valid id, including
+    ``0``, negative values, ``INT64_MIN`` and ``INT64_MAX``; int32 ids are sign-extended.
+
+    One :meth:`find_or_insert` call is one step: it advances the step clock used by LRU and TTL,
+    and counts each distinct id once for admission and LFU frequency.
+
+    Args:
+        capacity (int): number of rows (the embedding table's ``num_embeddings``).
+        device (torch.device | str): where the table lives. ``"meta"`` allocates nothing and
+            cannot be used for lookups (a placeholder for a module built on the meta device).
+        admission (CountAdmission | None): admit ids only after enough sightings; None admits at once.
+        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table is
+            full; None raises :class:`TableFullError` instead.
+        name (str): table name, used in errors and statistics.
+
+    Memory: ``4 * num_slots`` bytes of slots (``num_slots`` is the power of two at or above
+    ``1.5 * capacity``, so 6 to 12 bytes per row) plus 25 bytes per row, plus the admission
+    counters (``4 * counter_slots`` bytes, fixed). :attr:`memory_bytes` gives the exact figure.
+
+    Example::
+
+        table = IdTable(1 << 20, eviction=LRUEviction(), name="user")
+        rows = table.find_or_insert(torch.tensor([7, -3, 7, 2**63 - 1]))  # tensor([0, 1, 0, 2])
+        table.find(torch.tensor([7, 8]))  # tensor([0, -1])
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        device: torch.device | str = "cpu",
+        admission: CountAdmission | None = None,
+        eviction: EvictionPolicy | None = None,
+        name: str = "id_table",
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"IdTable name must be a non-empty str, got {name!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"IdTable '{name}': capacity must be an int, got {type(capacity).__name__}")
+        if not 1 <= capacity <= _MAX_CAPACITY:
+            raise ValueError(f"IdTable '{name}': capacity must be in [1, {_MAX_CAPACITY}], got {capacity}")
+        if admission is not None and not isinstance(admission, CountAdmission):
+            raise TypeError(
+                f"IdTable '{name}': admission must be a CountAdmission or None, got {type(admission).__name__}"
+            )
+        if eviction is not None and not isinstance(eviction, EVICTION_POLICY_TYPES):
+            raise TypeError(
+                f"IdTable '{name}': eviction must be LRUEviction, LFUEviction, TTLEviction or None, "
+                f"got {type(eviction).__name__}"
+            )
+        self._name = name
+        self._capacity = capacity
+        self._device = torch.device(device)
+        self._admission = admission
+        self._eviction = eviction
+        self._num_slots = _next_pow2(math.ceil(capacity * _SLOTS_PER_ROW))
+        self._slot_mask = self._num_slots - 1
+        self._sketch: CountMinSketch | None = None
+        if admission is not None and admission.threshold > 1:
+            width = admission.counter_slots // admission.num_hashes
+            self._sketch = CountMinSketch(width, admission.num_hashes, admission.threshold, self._device)
+        self._free_top: int
+        self._size: int
+        self._tombstones: int
+        self._step: int
+        self._idle_floor: int  # no occupied row has last_step below this
+        self._reassigned: list[torch.Tensor]  # rows reassigned since the last take (may repeat)
+        self._reassigned_count: int
+        self._stats: dict[str, int]
+        self._allocate()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def capacity(self) -> int:
+        """Number of rows."""
+        return self._capacity
+
+    @property
+    def name(self) -> str:
+        """The table's name."""
+        return self._name
+
+    @property
+    def device(self) -> torch.device:
+        """Where the table's tensors live."""
+        return self._device
+
+    @property
+    def admission(self) -> CountAdmission | None:
+        """The admission policy (None: admit at once)."""
+        return self._admission
+
+    @property
+    def eviction(self) -> EvictionPolicy | None:
+        """The eviction policy (None: a full table raises :class:`TableFullError`)."""
+        return self._eviction
+
+    @property
+    def step(self) -> int:
+        """Number of :meth:`find_or_insert` calls so far (restored by :meth:`load_state_dict`)."""
+        return self._step
+
+    @property
+    def num_slots(self) -> int:
+        """Size of the open-addressing slot array."""
+        return self._num_slots
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the table's tensors: slots, per-row arrays and admission counters."""
+        tensors = [self._slots, self._row_id, self._row_state, self._last_step, self._freq, self._pins, self._free]
+        if self._sketch is not None:
+            tensors.append(self._sketch.counters)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return (
+            f"IdTable(name={self._name!r}, capacity={self._capacity}, size={self._size}, "
+            f"device={self._device}, admission={self._admission}, eviction={self._eviction})"
+        )
+
+    # ------------------------------------------------------------------ public operations
+
+    def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map ids to rows, giving new admitted ids a row (one training step).
+
+        Duplicates within the batch map to one row. Ids not (yet) admitted map to ``-1`` and get
+        no row. When there are not enough free rows, the eviction policy frees rows that are
+        neither pinned nor used by this batch; the freed rows handed to new ids are reported by
+        :meth:`take_reassigned_rows`.
+
+        Args:
+            ids (torch.Tensor): int64 or int32 ids, any shape, on any device (moved to the table's).
+
+        Returns:
+            torch.Tensor: int64 rows, same shape as ``ids``, on the table's device; ``-1`` for ids
+            not admitted.
+
+        Raises:
+            TableFullError: the new ids do not fit and no eviction policy is set, or eviction cannot
+                free enough rows (all pinned or in use). The table is left unchanged.
+        """
+        flat, shape = self._as_ids(ids, "find_or_insert")
+        rows = self._lookup(flat)
+        miss = rows < 0
+        miss_idx = miss.nonzero().squeeze(1)
+        num_miss = miss_idx.numel()
+        hit_rows = rows[~miss] if num_miss else rows  # may repeat; eviction never frees these this step
+
+        # Read-only phase: work out what to insert and whether it fits, before touching any state.
+        uniq = inverse = positions = estimate = admitted = None
+        num_new = 0
+        if num_miss:
+            uniq, inverse = torch.unique(flat[miss_idx], return_inverse=True)
+            if self._sketch is not None:
+                positions = self._sketch.positions(uniq)
+                estimate = self._sketch.estimate(positions)
+                admitted = estimate + 1 >= self._sketch.cap
+                num_new = int(admitted.sum())
+            else:
+                num_new = uniq.numel()
+        if num_new > self._free_top:
+            self._check_room(num_new, hit_rows)
+
+        # Commit phase.
+        self._step += 1
+        step = self._step
+        self._stats["lookups"] += flat.numel()
+        self._stats["hits"] += flat.numel() - num_miss
+        if self._eviction is not None and hit_rows.numel():
+            self._last_step[hit_rows] = step
+            if isinstance(self._eviction, LFUEviction):
+                self._freq[hit_rows] = self._freq[hit_rows].clamp(max=_INT32_MAX - 1) + 1
+        if isinstance(self._eviction, TTLEviction):
+            self._sweep_idle(self._eviction.max_idle_steps)
+        if uniq is None or inverse is None:
+            return rows.view(shape)
+        if self._sketch is not None:
+            assert positions is not None and estimate is not None and admitted is not None
+            self._sketch.add_one(positions, estimate)
+            self._stats["admission_rejects"] += uniq.numel() - num_new
+            new_ids = uniq[admitted]
+        else:
+            new_ids = uniq
+        if num_new:
+            shortfall = num_new - self._free_top
+            if shortfall > 0:
+                self._evict(shortfall, hit_rows)
+            new_rows = self._pop_free(num_new)
+            self._place(new_ids, new_rows, step=step)
+            self._stats["inserts"] += num_new
+            if admitted is None:
+                uniq_rows = new_rows
+            else:
+                uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
+                uniq_rows[admitted] = new_rows
+            rows[miss_idx] = uniq_rows[inverse]
+        return rows.view(shape)
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map ids to rows without inserting anything (evaluation).
+
+        Changes no state at all: not the step clock, eviction metadata, admission counts nor the
+        statistics (lookups made through ``find`` are not counted in :meth:`stats`).
+
+        Args:
+            ids (torch.Tensor): int64 or int32 ids, any shape.
+
+        Returns:
+            torch.Tensor: int64 rows, same shape as ``ids``; ``-1`` for ids not in the table.
+        """
+        flat, shape = self._as_ids(ids, "find")
+        return self._lookup(flat).view(shape)
+
+    def take_reassigned_rows(self) -> torch.Tensor:
+        """Rows handed to a new id after having held another one, since the last call; clears the list.
+
+        The caller re-initialises these embedding rows and resets their optimizer state before
+        they are looked up.
+
+        Returns:
+            torch.Tensor: sorted distinct int64 rows on the table's device.
+        """
+        out = self._pending_rows()
+        self._reassigned = []
+        self._reassigned_count = 0
+        return out
+
+    def pin(self, rows: torch.Tensor) -> None:
+        """Protect rows from eviction and reassignment (reference-counted).
+
+        Each occurrence of a row adds one reference; ``-1`` entries (ids not admitted) are ignored,
+        so the output of :meth:`find_or_insert` can be passed as is.
+
+        Args:
+            rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
+        """
+        uniq, counts = self._pin_counts(rows, "pin")
+        if uniq.numel():
+            if bool((self._pins[uniq] > _INT32_MAX - counts).any()):
+                raise ValueError(f"IdTable '{self._name}': pin count of a row would overflow int32")
+            self._pins.index_add_(0, uniq, counts.to(torch.int32))
+
+    def unpin(self, rows: torch.Tensor) -> None:
+        """Drop references taken by :meth:`pin` (same rows, same multiplicity).
+
+        Raises:
+            ValueError: a row would drop below zero references (the table is left unchanged).
+        """
+        uniq, counts = self._pin_counts(rows, "unpin")
+        if uniq.numel():
+            have = self._pins[uniq]
+            bad = have < counts
+            if bool(bad.any()):
+                row = int(uniq[bad][0])
+                raise ValueError(
+                    f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
+                    f"(pinned {int(have[bad][0])}, unpinning {int(counts[bad][0])})"
+                )
+            self._pins.index_add_(0, uniq, -counts.to(torch.int32))
+
+    def num_pinned(self) -> int:
+        """Number of rows with at least one pin."""
+        return int((self._pins > 0).sum())
+
+    def evict_idle(self, max_idle_steps: int | None = None) -> torch.Tensor:
+        """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep).
+
+        Does not advance the step clock. Rows used at the latest step are never idle.
+
+        Args:
+            max_idle_steps (int | None): defaults to the table's :class:`TTLEviction` setting.
+
+        Returns:
+            torch.Tensor: the freed rows (int64, ascending).
+        """
+        if self._eviction is None:
+            raise ValueError(
+                f"IdTable '{self._name}': evict_idle needs an eviction policy (none is set, so the table "
+                "keeps no idle metadata)"
+            )
+        if max_idle_steps is None:
+            if not isinstance(self._eviction, TTLEviction):
+                raise ValueError(
+                    f"IdTable '{self._name}': evict_idle() without max_idle_steps needs a TTLEviction policy, "
+                    f"the table has {self._eviction}"
+                )
+            max_idle_steps = self._eviction.max_idle_steps
+        if isinstance(max_idle_steps, bool) or not isinstance(max_idle_steps, int) or max_idle_steps < 0:
+            raise ValueError(f"IdTable '{self._name}': max_idle_steps must be an int >= 0, got {max_idle_steps!r}")
+        self._check_usable()
+        return self._sweep_idle(max_idle_steps, force=True)
+
+    def remove(self, ids: torch.Tensor) -> torch.Tensor:
+        """Remove ids from the table and free their rows (e.g. to move them to another table).
+
+        Args:
+            ids (torch.Tensor): int64 or int32 ids, any shape; ids not in the table are ignored.
+
+        Returns:
+            torch.Tensor: int64 rows the ids held, same shape as ``ids``; ``-1`` for absent ids.
+
+        Raises:
+            ValueError: one of the rows is pinned (the table is left unchanged).
+        """
+        flat, shape = self._as_ids(ids, "remove")
+        rows = self._lookup(flat)
+        present = rows[rows >= 0].unique()
+        if present.numel():
+            if bool((self._pins[present] > 0).any()):
+                raise ValueError(f"IdTable '{self._name}': remove of ids whose rows are pinned; unpin them first")
+            self._free_rows(present)
+        return rows.view(shape)
+
+    def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored ids and their rows, in ascending row order.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: int64 ``ids [n]`` and int64 ``rows [n]``.
+        """
+        self._check_usable()
+        rows = (self._row_state == _OCCUPIED).nonzero().squeeze(1)
+        return self._row_id[rows].clone(), rows
+
+    def insert_at(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        last_step: torch.Tensor | None = None,
+        freq: torch.Tensor | None = None,
+    ) -> None:
+        """Store given ``(id, row)`` pairs, e.g. to rebuild a table from another one's ids.
+
+        Bypasses admission. The rows are not reported by :meth:`take_reassigned_rows`: the caller
+        provides their embedding values.
+
+        Args:
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
+            rows (torch.Tensor): integer ``[n]`` distinct free rows in ``[0, capacity)``.
+            last_step (torch.Tensor | None): int ``[n]`` step each id was last used; defaults to the current step.
+            freq (torch.Tensor | None): int ``[n]`` LFU frequencies; defaults to 1.
+
+        Raises:
+            ValueError: on any of the conditions above (the table is left unchanged).
+        """
+        flat, _ = self._as_ids(ids, "insert_at")
+        rows = self._as_rows(rows, "insert_at", allow_missing=False)
+        n = flat.numel()
+        if rows.numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at got {n} ids but {rows.numel()} rows")
+        meta = {}
+        for key, value in (("last_step", last_step), ("freq", freq)):
+            if value is not None:
+                value = torch.as_tensor(value).reshape(-1).to(self._device)
+                if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
+                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be {n} integers")
+                if bool(((value < 0) | (value > _INT32_MAX)).any()):
+                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be in [0, {_INT32_MAX}]")
+                meta[key] = value.to(torch.int32)
+        if n == 0:
+            return
+        if flat.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at ids must be distinct")
+        if rows.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at rows must be distinct")
+        present = self._lookup(flat) >= 0
+        if bool(present.any()):
+            raise ValueError(
+                f"IdTable '{self._name}': insert_at id {int(flat[present][0])} is already in the table; remove it first"
+            )
+        taken = self._row_state[rows] == _OCCUPIED
+        if bool(taken.any()):
+            raise ValueError(f"IdTable '{self._name}': insert_at row {int(rows[taken][0])} already holds an id")
+        self._ensure_slot_room(n)
+        keep = torch.ones(self._capacity, dtype=torch.bool, device=self._device)
+        keep[rows] = False
+        stack = self._free[: self._free_top]
+        stack = stack[keep[stack.long()]]
+        self._free_top = stack.numel()
+        self._free[: self._free_top] = stack
+        self._drop_pending(rows)
+        self._place(flat, rows, step=self._step)
+        self._idle_floor = 0
+        if "last_step" in meta:
+            self._last_step[rows] = meta["last_step"]
+        if "freq" in meta:
+            self._freq[rows] = meta["freq"]
+        self._stats["inserts"] += n
+
+    def stats(self) -> dict[str, Any]:
+        """Table statistics.
+
+        ``lookups``/``hits`` count ids (with repeats) passed to :meth:`find_or_insert` and found
+        already stored; ``inserts`` counts ids given a row; ``evictions`` counts rows freed by the
+        eviction policy (when full, or idle under TTL); ``admission_rejects`` counts, per call,
+        the distinct ids refused a row by admission.
+
+        Returns:
+            dict: ``size``, ``capacity``, ``inserts``, ``evictions``, ``admission_rejects``,
+            ``lookups``, ``hits`` (ints) and ``hit_rate`` (float, 0.0 before any lookup).
+        """
+        out: dict[str, Any] = {"size": self._size, "capacity": self._capacity}
+        out.update(self._stats)
+        out["hit_rate"] = self._stats["hits"] / self._stats["lookups"] if self._stats["lookups"] else 0.0
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The table's full state as tensors (pins are runtime state and are not included).
+
+        Keys: ``capacity``, ``step`` (scalars); ``ids``, ``rows``, ``last_step``, ``freq`` (one entry
+        per stored id, ascending rows); ``free_rows`` (the free-row stack, bottom to top);
+        ``retired_rows`` (free rows whose embedding holds a former id); ``reassigned_rows`` (not yet
+        taken by :meth:`take_reassigned_rows`); ``admission_counters`` (empty without a sketch);
+        ``stats`` (int64 ``[5]``: inserts, evictions, admission_rejects, lookups, hits).
+        """
+        self._check_usable()
+        ids, rows = self.ids_and_rows()
+        counters = (
+            self._sketch.counters.clone()
+            if self._sketch is not None
+            else torch.zeros(0, dtype=torch.int32, device=self._device)
+        )
+        return {
+            "capacity": torch.tensor(self._capacity, dtype=torch.int64),
+            "ids": ids,
+            "rows": rows,
+            "last_step": self._last_step[rows].clone(),
+            "freq": self._freq[rows].clone(),
+            "free_rows": self._free[: self._free_top].long(),
+            "retired_rows": (self._row_state == _RETIRED).nonzero().squeeze(1),
+            "reassigned_rows": self._pending_rows(),
+            "admission_counters": counters,
+            "step": torch.tensor(self._step, dtype=torch.int64),
+            "stats": torch.tensor([self._stats[k] for k in _STAT_NAMES], dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore a state from :meth:`state_dict` of a table with the same capacity.
+
+        The slot layout is rebuilt from the ids. The state is validated first; on error the table
+        is left unchanged.
+
+        Raises:
+            ValueError: missing keys, another capacity, inconsistent ids/rows, or counters of another size.
+            RuntimeError: some rows of this table are pinned.
+        """
+        self._check_usable()
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"IdTable '{self._name}': state dict lacks keys {missing}")
+        sd = {k: torch.as_tensor(state_dict[k]).to(self._device) for k in _STATE_KEYS}
+        cap = int(sd["capacity"])
+        if cap != self._capacity:
+            raise ValueError(
+                f"IdTable '{self._name}': state dict is for capacity {cap}, this table has capacity {self._capacity}"
+            )
+        ids = sd["ids"].reshape(-1).long()
+        rows = sd["rows"].reshape(-1).long()
+        free = sd["free_rows"].reshape(-1).long()
+        n = ids.numel()
+        for key in ("rows", "last_step", "freq"):
+            if sd[key].numel() != n:
+                raise ValueError(f"IdTable '{self._name}': state dict has {n} ids but {sd[key].numel()} {key}")
+        every = torch.cat([rows, free])
+        if every.numel() != self._capacity or not torch.equal(
+            every.sort().values, torch.arange(self._capacity, device=self._device)
+        ):
+            raise ValueError(
+                f"IdTable '{self._name}': state dict rows and free_rows must together hold each row "
+                f"of [0, {self._capacity}) exactly once"
+            )
+        if ids.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': state dict ids are not distinct")
+        counters = sd["admission_counters"].reshape(-1)
+        have = self._sketch.counters.numel() if self._sketch is not None else 0
+        if counters.numel() != have:
+            raise ValueError(
+                f"IdTable '{self._name}': state dict has {counters.numel()} admission counters, this table's "
+                f"admission policy {self._admission} has {have}"
+            )
+        stats = sd["stats"].reshape(-1)
+        if stats.numel() != len(_STAT_NAMES):
+            raise ValueError(f"IdTable '{self._name}': state dict stats must have {len(_STAT_NAMES)} entries")
+        retired = sd["retired_rows"].reshape(-1).long()
+        reassigned = sd["reassigned_rows"].reshape(-1).long()
+        for key, value in (("retired_rows", retired), ("reassigned_rows", reassigned)):
+            if value.numel() and bool(((value < 0) | (value >= self._capacity)).any()):
+                raise ValueError(f"IdTable '{self._name}': state dict {key} out of [0, {self._capacity})")
+        if self.num_pinned():
+            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
+
+        self._allocate()
+        self._free_top = free.numel()
+        self._free[: self._free_top] = free.to(torch.int32)
+        self._row_state[retired] = _RETIRED
+        self._place(ids, rows, step=0)
+        self._last_step[rows] = sd["last_step"].reshape(-1).to(torch.int32)
+        self._freq[rows] = sd["freq"].reshape(-1).to(torch.int32)
+        if self._sketch is not None:
+            self._sketch.counters.copy_(counters.to(torch.int32))
+        if reassigned.numel():
+            self._reassigned = [reassigned]
+            self._reassigned_count = reassigned.numel()
+        self._step = int(sd["step"])
+        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in stats.tolist()), strict=True))
+
+    # ------------------------------------------------------------------ internals
+
+    def _allocate(self) -> None:
+        dev = self._device
+        cap = self._capacity
+        self._slots = torch.full((self._num_slots,), _EMPTY, dtype=torch.int32, device=dev)
+        self._row_id = torch.zeros(cap, dtype=torch.int64, device=dev)
+        self._row_state = torch.zeros(cap, dtype=torch.int8, device=dev)
+        self._last_step = torch.zeros(cap, dtype=torch.int32, device=dev)
+        self._freq = torch.zeros(cap, dtype=torch.int32, device=dev)
+        self._pins = torch.zeros(cap, dtype=torch.int32, device=dev)
+        self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int32, device=dev)  # pops 0, 1, 2, ...
+        self._free_top = cap
+        self._size = 0
+        self._tombstones = 0
+        self._step = 0
+        self._idle_floor = 0
+        self._reassigned = []
+        self._reassigned_count = 0
+        self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        if self._sketch is not None:
+            self._sketch.counters.zero_()
+
+    def _check_usable(self) -> None:
+        if self._device.type == "meta":
+            raise RuntimeError(
+                f"IdTable '{self._name}' lives on the meta device and holds no data; "
+                "create it on a real device to look ids up"
+            )
+
+    def _as_ids(self, ids: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Size]:
+        self._check_usable()
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"IdTable '{self._name}'.{op}: ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"IdTable '{self._name}'.{op}: ids must be int64 or int32, got {ids.dtype}")
+        flat = ids.reshape(-1).to(device=self._device, dtype=torch.int64)
+        return flat, ids.shape
+
+    def _as_rows(self, rows: torch.Tensor, op: str, *, allow_missing: bool) -> torch.Tensor:
+        self._check_usable()
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"IdTable '{self._name}'.{op}: rows must be a torch.Tensor, got {type(rows).__name__}")
+        if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
+            raise TypeError(f"IdTable '{self._name}'.{op}: rows must be an integer tensor, got {rows.dtype}")
+        flat = rows.reshape(-1).to(device=self._device, dtype=torch.int64)
+        low = -1 if allow_missing else 0
+        bad = (flat < low) | (flat >= self._capacity)
+        if bool(bad.any()):
+            raise ValueError(
+                f"IdTable '{self._name}'.{op}: rows must be in [{low}, {self._capacity}), got {int(flat[bad][0])}"
+            )
+        return flat
+
+    def _pin_counts(self, rows: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = self._as_rows(rows, op, allow_missing=True)
+        flat = flat[flat >= 0]
+        return torch.unique(flat, return_counts=True)
+
+    def _home(self, ids: torch.Tensor) -> torch.Tensor:
+        return fmix64(ids).bitwise_and_(self._slot_mask)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
+        n = ids.numel()
+        rows = torch.full((n,), -1, dtype=torch.int64, device=self._device)
+        if n == 0 or self._size == 0:
+            return rows
+        pos = self._home(ids)
+        idx: torch.Tensor | None = None  # positions in the batch of the ids still probing; None = all
+        cur = ids
+        while True:
+            slot = self._slots.index_select(0, pos)
+            match = self._row_id.index_select(0, slot.clamp(min=0)) == cur
+            match &= slot >= 0
+            if idx is None:
+                rows = torch.where(match, slot.long(), rows)
+            else:
+                rows[idx[match]] = slot[match].long()
+            go_on = (slot != _EMPTY) & ~match
+            keep = go_on.nonzero().squeeze(1)
+            if keep.numel() == 0:
+                return rows
+            idx = keep if idx is None else idx[keep]
+            cur = cur[keep]
+            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+
+    def _slots_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slot index of each occupied row (int64 ``[n]`` in, int64 ``[n]`` out)."""
+        out = torch.empty_like(rows)
+        if rows.numel() == 0:
+            return out
+        target = rows.to(torch.int32)
+        pos = self._home(self._row_id[rows])
+        idx = torch.arange(rows.numel(), device=self._device)
+        while idx.numel():
+            found = self._slots[pos] == target
+            out[idx[found]] = pos[found]
+            keep = (~found).nonzero().squeeze(1)
+            idx, target = idx[keep], target[keep]
+            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+        return out
+
+    def _claim_slots(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` into free slots along the probe paths of ``ids`` (distinct ids, none stored)."""
+        pos = self._home(ids)
+        cand = rows.to(torch.int32)
+        while pos.numel():
+            before = self._slots[pos]
+            free = before < 0
+            self._slots[pos[free]] = cand[free]  # concurrent writers: one value lands, the rest probe on
+            won = self._slots[pos] == cand
+            self._tombstones -= int((won & (before == _TOMBSTONE)).sum())
+            keep = (~won).nonzero().squeeze(1)
+            cand = cand[keep]
+            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+
+    def _ensure_slot_room(self, incoming: int) -> None:
+        if self._size + self._tombstones + incoming > _MAX_SLOT_LOAD * self._num_slots:
+            self._rehash()
+
+    def _rehash(self) -> None:
+        self._slots.fill_(_EMPTY)
+        self._tombstones = 0
+        rows = (self._row_state == _OCCUPIED).nonzero().squeeze(1)
+        self._claim_slots(self._row_id[rows], rows)
+
+    def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None:
+        """Store distinct new ids at rows already taken off the free stack."""
+        self._ensure_slot_room(ids.numel())
+        self._claim_slots(ids, rows)
+        self._row_id[rows] = ids
+        self._row_state[rows] = _OCCUPIED
+        self._last_step[rows] = step
+        self._freq[rows] = 1
+        self._size += ids.numel()
+
+    def _pop_free(self, k: int) -> torch.Tensor:
+        top = self._free_top
+        rows = self._free[top - k : top].flip(0).long()
+        self._free_top = top - k
+        reused = rows[self._row_state[rows] == _RETIRED]
+        if reused.numel():
+            self._reassigned.append(reused)
+            self._reassigned_count += reused.numel()
+            if self._reassigned_count > 2 * self._capacity:
+                merged = self._pending_rows()
+                self._reassigned = [merged]
+                self._reassigned_count = merged.numel()
+        return rows
+
+    def _free_rows(self, rows: torch.Tensor) -> None:
+        """Remove the ids of distinct occupied ``rows`` and push the rows on the free stack."""
+        slots = self._slots_of_rows(rows)
+        self._slots[slots] = _TOMBSTONE
+        self._tombstones += rows.numel()
+        self._row_state[rows] = _RETIRED
+        n = rows.numel()
+        self._free[self._free_top : self._free_top + n] = rows.to(torch.int32)
+        self._free_top += n
+        self._size -= n
+
+    def _evictable(self) -> torch.Tensor:
+        """Mask of rows eviction may free: occupied and unpinned."""
+        return (self._row_state == _OCCUPIED) & (self._pins == 0)
+
+    def _check_room(self, num_new: int, hit_rows: torch.Tensor) -> None:
+        """Raise TableFullError (before any change) unless eviction can make room for ``num_new`` ids."""
+        free = self._free_top
+        base = (
+            f"IdTable '{self._name}' (capacity {self._capacity}) is full: {num_new} new ids arrived with "
+            f"{free} free rows"
+        )
+        if self._eviction is None:
+            raise TableFullError(
+                f"{base} and no eviction policy. Raise the capacity (num_embeddings of table '{self._name}') "
+                "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction)."
+            )
+        mask = self._evictable()
+        if hit_rows.numel():
+            mask[hit_rows] = False
+        evictable = int(mask.sum())
+        if free + evictable < num_new:
+            raise TableFullError(
+                f"{base}, and eviction can free only {evictable} rows (the others are pinned or used by this batch). "
+                f"Raise the capacity (num_embeddings of table '{self._name}'), use smaller batches, or pin fewer "
+                "batches."
+            )
+
+    def _evict(self, count: int, in_use: torch.Tensor) -> torch.Tensor:
+        """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``."""
+        mask = self._evictable()
+        if in_use.numel():
+            mask[in_use] = False
+        last = self._last_step.long()
+        key = (self._freq.long() << 31) | last if isinstance(self._eviction, LFUEviction) else last
+        key = torch.where(mask, key, torch.iinfo(torch.int64).max)
+        kth = torch.kthvalue(key, count).values
+        below = (key < kth).nonzero().squeeze(1)
+        ties = (key == kth).nonzero().squeeze(1)[: count - below.numel()]
+        victims = torch.cat([below, ties])
+        self._free_rows(victims)
+        self._stats["evictions"] += count
+        return victims
+
+    def _sweep_idle(self, max_idle_steps: int, force: bool = False) -> torch.Tensor:
+        step = self._step
+        if not force and step - self._idle_floor <= max_idle_steps:
+            return torch.zeros(0, dtype=torch.int64, device=self._device)
+        occupied = self._row_state == _OCCUPIED
+        expired = occupied & (self._pins == 0) & (self._last_step < step - max_idle_steps)
+        rows = expired.nonzero().squeeze(1)
+        if rows.numel():
+            self._free_rows(rows)
+            self._stats["evictions"] += rows.numel()
+            occupied[rows] = False
+        remaining = torch.where(occupied, self._last_step, _INT32_MAX)
+        self._idle_floor = int(remaining.min()) if remaining.numel() else step
+        return rows
+
+    def _pending_rows(self) -> torch.Tensor:
+        if not self._reassigned:
+            return torch.zeros(0, dtype=torch.int64, device=self._device)
+        return torch.cat(self._reassigned).unique()
+
+    def _drop_pending(self, rows: torch.Tensor) -> None:
+        if self._reassigned:
+            pending = self._pending_rows()
+            pending = pending[~torch.isin(pending, rows)]
+            self._reassigned = [pending] if pending.numel() else []
+            self._reassigned_count = pending.numel()
+        self._row_state[rows] = _NEVER_USED
