@@ -1,0 +1,531 @@
+"""``HybridTrainPipelineSparseDist``: TorchRec's sparse-dist pipeline with a host thread.
+
+Per batch, a sharded :class:`~recsdk.embedding.HashEmbeddingBagCollection` has a host
+stage (bucket the raw ids by owner, the id all-to-alls over the host gloo group, dedup and
+id-table mapping in ``post_input_dist``, the copy of the row indices to the device) and a
+device stage (lookup, output dist, the dense model, backward, optimizer step). This
+pipeline runs the host stages of the next ``pipe_n_batch`` batches on one background
+thread while the calling thread runs the device stage of the current batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any, Generic, cast
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.model_parallel import ShardedModule
+from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.utils import (
+    _override_input_dist_forwards,
+    _rewrite_model,
+    _start_data_dist,
+    _to_device,
+    _wait_for_batch,
+)
+from torchrec.distributed.types import NoWait
+
+from recsdk.pipeline.host_worker import HostStageError, HostWorker
+
+__all__ = ["MAX_PIPE_N_BATCH", "HybridTrainPipelineSparseDist"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PIPE_N_BATCH = 12
+
+# name -> (module context, input of compute_and_output_dist) for the host-staged modules
+_HostResult = dict[str, tuple[Any, Any]]
+
+
+@dataclass
+class _Step:
+    """One batch in flight: read from the iterator, its host stage queued or done."""
+
+    batch: Any
+    context: TrainPipelineContext
+    host_future: Future[_HostResult] | None = None
+    inline_started: bool = False
+
+
+@dataclass
+class _Lane:
+    """The batches of one mode (train or eval), in order, and the iterator they come from."""
+
+    steps: deque[_Step] = field(default_factory=deque)
+    iterator: Iterator[Any] | None = None
+    exhausted: bool = False
+    train_steps_seen: int = 0
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device
+    return None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In, Out]):
+    """Train (and eval) pipeline that overlaps the host id work with device compute.
+
+    A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
+    forward, backward and the optimizer step of one batch on the calling thread, while one
+    background thread runs the host stages of the next ``pipe_n_batch`` batches: the
+    sharded modules' ``input_dist`` (bucketing, the splits and id all-to-alls over the host
+    group) and ``post_input_dist`` (dedup, id-table mapping, copy to the device). The
+    embeddings are read at forward time, so a pipelined run gives the same losses and
+    weights as the plain loop ``loss, out = model(batch); loss.backward();
+    optimizer.step(); optimizer.zero_grad()`` over the same batches. Rows referenced by
+    batches in flight are pinned by the sharded module, and the pipeline never maps more
+    than ``pipe_n_batch`` batches ahead of the one computing.
+
+    Modules whose input dist talks over the default (device) group, such as a plain
+    TorchRec ``EmbeddingBagCollection``, keep TorchRec's schedule on the calling thread:
+    the default group's collectives must stay in one order on every rank.
+
+    Every host-group collective is issued from the one host thread, in batch order. The
+    host thread is idle whenever :meth:`progress` is not running, so ``model.train()`` /
+    ``model.eval()``, checkpoints and statistics between calls never race with it.
+
+    After ``model.eval()``, :meth:`progress` runs forward only, under ``torch.no_grad()``
+    (no backward, no optimizer step), and the id tables are only read. Each mode keeps its
+    own queue: batches read ahead in the other mode wait, untouched, until that mode comes
+    back. Batches read ahead for eval are mapped again if training ran in between.
+
+    If a host stage raises, that exception (with its traceback from the host thread) is
+    raised from the :meth:`progress` that needs the batch; the other ranks raise
+    :class:`~recsdk.pipeline.HostStageError` at the same batch, or a collective error once
+    the host group's timeout expires. The pipeline is unusable afterwards.
+
+    Args:
+        model (torch.nn.Module): the ``DistributedModelParallel`` model; its forward takes
+            the batch and returns ``(loss, output)``.
+        optimizer (torch.optim.Optimizer): e.g. a ``CombinedOptimizer`` of the fused
+            sparse optimizer and the dense one.
+        device (torch.device): the model's device.
+        execute_all_batches (bool): when the iterator runs dry, finish the batches in
+            flight before raising ``StopIteration``; if ``False``, raise at once.
+        apply_jit (bool): ``torch.jit.script`` the non-sharded modules (as TorchRec).
+        return_loss (bool): :meth:`progress` returns ``(output, loss)`` instead of
+            ``output``.
+        pipe_n_batch (int): batches prepared ahead of the one computing, in
+            ``[1, 12]``; each holds its id-table rows pinned until it has computed.
+
+    Example::
+
+        pipeline = HybridTrainPipelineSparseDist(model, optimizer, device, pipe_n_batch=2)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+        pipeline.close()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        return_loss: bool = False,
+        pipe_n_batch: int = 2,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(device, str):
+            device = torch.device(device)
+        if not isinstance(device, torch.device):
+            raise TypeError(f"device must be a torch.device, got {device!r} ({type(device).__name__})")
+        model_device = _model_device(model)
+        if model_device is not None and not _same_device(model_device, device):
+            raise ValueError(f"device {device} differs from the model's device {model_device}; pass the model's device")
+        _check_bool("execute_all_batches", execute_all_batches)
+        _check_bool("apply_jit", apply_jit)
+        _check_bool("return_loss", return_loss)
+        if isinstance(pipe_n_batch, bool) or not isinstance(pipe_n_batch, int):
+            raise TypeError(f"pipe_n_batch must be an int, got {pipe_n_batch!r} ({type(pipe_n_batch).__name__})")
+        if not 1 <= pipe_n_batch <= MAX_PIPE_N_BATCH:
+            raise ValueError(f"pipe_n_batch must be in [1, {MAX_PIPE_N_BATCH}], got {pipe_n_batch}")
+        super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches, apply_jit=apply_jit)
+        self._return_loss = return_loss
+        self._pipe_n_batch = pipe_n_batch
+        self._lanes: dict[bool, _Lane] = {True: _Lane(), False: _Lane()}
+        self._active_mode: bool | None = None
+        self._train_steps = 0
+        self._host_modules: list[ShardedModule] = []
+        self._inline_modules: list[ShardedModule] = []
+        self._host_pgs: list[dist.ProcessGroup] = []
+        self._names: dict[int, str] = {}
+        self._pending: list[Future[_HostResult]] = []
+        self._output_checked = False
+        self._failure: BaseException | None = None
+        self._worker = HostWorker("recsdk-host-stage", setup=self._setup_host_thread)
+
+    # ---- public -------------------------------------------------------------------------
+
+    @property
+    def pipe_n_batch(self) -> int:
+        """Batches prepared ahead of the one computing."""
+        return self._pipe_n_batch
+
+    @property
+    def host_staged_modules(self) -> list[str]:
+        """Names of the sharded modules whose input dist runs on the host thread."""
+        return [self._name_of(m) for m in self._host_modules]
+
+    @property
+    def inline_modules(self) -> list[str]:
+        """Names of the pipelined modules that keep TorchRec's schedule on the calling thread."""
+        return [self._name_of(m) for m in self._inline_modules]
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Any:
+        """Run one batch: forward, and in train mode backward and the optimizer step.
+
+        Args:
+            dataloader_iter (Iterator): yields the batches (``Pipelineable``).
+
+        Returns:
+            the model's output for the batch, or ``(output, loss)`` with ``return_loss``.
+
+        Raises:
+            StopIteration: no batch is left (see ``execute_all_batches``).
+            TypeError: the model's forward does not return ``(loss, output)``.
+        """
+        if self._worker.closed:
+            raise RuntimeError("HybridTrainPipelineSparseDist is closed")
+        if self._failure is not None:
+            raise RuntimeError(
+                "HybridTrainPipelineSparseDist cannot continue: a host stage failed earlier"
+            ) from self._failure
+        if not self._model_attached:
+            self.attach(self._model)
+        training = bool(self._model.training)
+        lane = self._enter_mode(training)
+        try:
+            self._fill(lane, dataloader_iter)
+            if not lane.steps:
+                raise StopIteration
+            step = lane.steps[0]
+            self._finish_host_stage(step)
+            self._start_inline(step)
+            self._wait_inline(step)
+            self._set_module_context(step.context)
+            if training:
+                self._optimizer.zero_grad()
+            _wait_for_batch(step.batch, self._data_dist_stream)
+            upcoming = lane.steps[1] if len(lane.steps) > 1 else None
+            if upcoming is not None:
+                self._start_inline(upcoming)
+            if training:
+                loss, output = self._forward(step.batch)
+            else:
+                with torch.no_grad():
+                    loss, output = self._forward(step.batch)
+            if upcoming is not None:
+                self._wait_inline(upcoming)
+            if training:
+                with record_function(f"## backward {step.context.index} ##"):
+                    torch.sum(loss, dim=0).backward()
+                self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, step.context)
+                with record_function(f"## optimizer {step.context.index} ##"):
+                    self._optimizer.step()
+                self._train_steps += 1
+            lane.steps.popleft()
+        except StopIteration:
+            self._quiesce()
+            raise
+        self._quiesce()
+        return (output, loss) if self._return_loss else output
+
+    def close(self) -> None:
+        """Stop the host thread. The pipeline cannot be used afterwards."""
+        self._worker.close()
+
+    def __enter__(self) -> HybridTrainPipelineSparseDist[In, Out]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.close(timeout=0)
+
+    def reset(self) -> None:
+        """Drop the batches in flight (TorchRec's ``reset``); the model stays pipelined."""
+        self._quiesce()
+        super().reset()
+        self._lanes = {True: _Lane(), False: _Lane()}
+        self._active_mode = None
+
+    def detach(self) -> torch.nn.Module:
+        self._quiesce()
+        return super().detach()
+
+    def attach(self, model: torch.nn.Module | None = None, sparse_dist: bool = True) -> None:
+        if model is not None:
+            self._model = model
+        self._model_attached = True
+        if self._pipelined_modules:
+            step = next((s for lane in self._lanes.values() for s in lane.steps), None)
+            self._rewrite(step.batch if step else None, step.context if step else self._create_context())
+            self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+            self._classify_modules()
+
+    # ---- the calling thread -------------------------------------------------------------
+
+    def _enter_mode(self, training: bool) -> _Lane:
+        lane = self._lanes[training]
+        if self._active_mode is not None and self._active_mode != training and not training:
+            if lane.train_steps_seen != self._train_steps:
+                # Training changed the id tables since these eval batches were mapped.
+                for step in lane.steps:
+                    if step.host_future is not None:
+                        step.host_future = self._submit_host_stage(step)
+        if not training:
+            lane.train_steps_seen = self._train_steps
+        self._active_mode = training
+        return lane
+
+    def _fill(self, lane: _Lane, dataloader_iter: Iterator[In]) -> None:
+        if dataloader_iter is not lane.iterator:
+            lane.iterator = dataloader_iter
+            lane.exhausted = False
+        while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
+            batch = next(dataloader_iter, None)
+            if batch is None:
+                lane.exhausted = True
+                if not self._execute_all_batches:
+                    raise StopIteration
+                break
+            with self._stream_context(self._memcpy_stream):
+                batch = _to_device(batch, self._device, non_blocking=True)
+            self._batch_count += 1
+            step = _Step(batch=batch, context=self._create_context())
+            lane.steps.append(step)
+            if not self._pipelined_modules:
+                self._bootstrap(step)
+            else:
+                step.host_future = self._submit_host_stage(step)
+
+    def _bootstrap(self, step: _Step) -> None:
+        """First batch: rewrite the model and run its whole input dist here, inline."""
+        context = step.context
+        self._rewrite(step.batch, context)
+        with self._stream_context(self._data_dist_stream):
+            _wait_for_batch(step.batch, self._memcpy_stream)
+            _start_data_dist(self._pipelined_modules, step.batch, context)
+            self._wait_splits(context)
+        # The input dists exist now: swap in TorchRec's fused-splits forwards.
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+        self._classify_modules()
+        host_names = [self._name_of(m) for m in self._host_modules]
+        module_contexts = {n: context.module_contexts.pop(n) for n in host_names}
+        requests = {n: context.input_dist_tensors_requests.pop(n) for n in host_names}
+        done: Future[_HostResult] = Future()
+        try:
+            done.set_result(self._post_input_dist(context.index, module_contexts, requests))
+        except BaseException as e:
+            done.set_exception(e)
+        step.host_future = done if host_names else None
+        step.inline_started = True
+
+    def _rewrite(self, batch: Any, context: TrainPipelineContext) -> None:
+        (
+            self._pipelined_modules,
+            self._model,
+            self._original_forwards,
+            self._pipelined_postprocs,
+            _,
+        ) = _rewrite_model(
+            model=self._model,
+            context=context,
+            dist_stream=self._data_dist_stream,
+            default_stream=torch.get_device_module(self._device).current_stream(),
+            batch=batch,
+            apply_jit=self._apply_jit,
+            pipelined_forward=self._pipelined_forward_type,
+            pipeline_postproc=False,
+        )
+
+    def _classify_modules(self) -> None:
+        """Host-stage a module iff all its input-dist groups are free of device traffic."""
+        device_pgs: list[Any] = [dist.group.WORLD]
+        for m in self._model.modules():
+            env = getattr(m, "_env", None)
+            pg = getattr(env, "process_group", None)
+            if isinstance(m, ShardedModule) and pg is not None and all(pg is not p for p in device_pgs):
+                device_pgs.append(pg)
+        self._host_modules, self._inline_modules, self._host_pgs = [], [], []
+        self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._pipelined_modules}
+        for module in self._pipelined_modules:
+            pgs = [
+                d._dist._pg
+                for child in module.modules()
+                for d in getattr(child, "_input_dists", [])
+                if isinstance(getattr(d, "_dist", None), KJTAllToAll)
+            ]
+            if pgs and all(pg is not p for pg in pgs for p in device_pgs):
+                self._host_modules.append(module)
+                for pg in pgs:
+                    if all(pg is not p for p in self._host_pgs):
+                        self._host_pgs.append(pg)
+            else:
+                self._inline_modules.append(module)
+                if hasattr(module, "post_input_dist"):
+                    logger.warning(
+                        "%s: its input dist uses a device process group, so its host stage runs inline "
+                        "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
+                        self._name_of(module),
+                    )
+
+    def _start_inline(self, step: _Step) -> None:
+        if step.inline_started:
+            return
+        step.inline_started = True
+        if not self._inline_modules:
+            return
+        with self._stream_context(self._data_dist_stream):
+            _wait_for_batch(step.batch, self._memcpy_stream)
+            _start_data_dist(self._inline_modules, step.batch, step.context)
+
+    def _wait_inline(self, step: _Step) -> None:
+        if step.context.fused_splits_awaitables:
+            with self._stream_context(self._data_dist_stream):
+                self._wait_splits(step.context)
+
+    @staticmethod
+    def _wait_splits(context: TrainPipelineContext) -> None:
+        for names, awaitable in context.fused_splits_awaitables:
+            for name, request in zip(names, awaitable.wait(), strict=True):
+                context.input_dist_tensors_requests[name] = request
+        context.input_dist_splits_requests.clear()
+        context.fused_splits_awaitables.clear()
+
+    def _finish_host_stage(self, step: _Step) -> None:
+        future, step.host_future = step.host_future, None
+        if future is None:
+            return
+        try:
+            result = future.result()
+        except BaseException as e:
+            self._failure = e
+            raise
+        for name, (module_context, kjts) in result.items():
+            step.context.module_contexts[name] = module_context
+            step.context.input_dist_tensors_requests[name] = NoWait(kjts)
+
+    def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        result = self._model(batch)
+        if not self._output_checked:
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+                got = type(result).__name__
+                if isinstance(result, tuple):
+                    got = f"a tuple of {len(result)}: ({', '.join(type(r).__name__ for r in result)})"
+                raise TypeError(f"the model's forward must return (loss, output) with a tensor loss, got {got}")
+            self._output_checked = True
+        return cast(tuple[torch.Tensor, Any], result)
+
+    def _quiesce(self) -> None:
+        """Wait until the host thread is idle (every progress ends with it)."""
+        pending, self._pending = self._pending, []
+        if pending:
+            wait_futures(pending)
+
+    # ---- the host thread ----------------------------------------------------------------
+
+    def _setup_host_thread(self) -> None:
+        if self._device.type not in ("cpu", "meta"):
+            module = torch.get_device_module(self._device)
+            if hasattr(module, "set_device") and self._device.index is not None:
+                module.set_device(self._device)
+
+    def _submit_host_stage(self, step: _Step) -> Future[_HostResult] | None:
+        if not self._host_modules:
+            return None
+        future = self._worker.submit(self._host_stage, step.batch, step.context.index)
+        self._pending.append(future)
+        return future
+
+    def _host_stage(self, batch: Any, index: int | None) -> _HostResult:
+        context = self._context_type(index=index, version=1)
+        with self._stream_context(self._data_dist_stream):
+            _wait_for_batch(batch, self._memcpy_stream)
+            _start_data_dist(self._host_modules, batch, context)
+            self._wait_splits(context)
+            return self._post_input_dist(index, context.module_contexts, context.input_dist_tensors_requests)
+
+    def _post_input_dist(
+        self, index: int | None, module_contexts: dict[str, Any], requests: dict[str, Any]
+    ) -> _HostResult:
+        """Receive the ids, map them (``post_input_dist``), and agree with the other ranks.
+
+        A failure before the ids arrived leaves this rank's collectives out of step, so it
+        is raised at once; the others then fail on their next host collective. A failure
+        in ``post_input_dist`` is announced to every rank by a flag all-reduce, so all
+        ranks stop at this batch.
+        """
+        received = {name: request.wait() for name, request in requests.items()}
+        result: _HostResult = {}
+        error: BaseException | None = None
+        try:
+            for module in self._host_modules:
+                name = self._name_of(module)
+                module_context, kjts = module_contexts[name], received[name]
+                post_input_dist = getattr(module, "post_input_dist", None)
+                if callable(post_input_dist):
+                    kjts = post_input_dist(module_context, kjts)
+                result[name] = (module_context, kjts)
+        except BaseException as e:
+            error = e
+        failed = self._agree(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise HostStageError(
+                f"the host stage of batch {index} failed on rank(s) {failed} (their progress() raises the error)"
+            )
+        return result
+
+    def _agree(self, failed_here: bool) -> list[int]:
+        """Ranks (of the host group) whose host stage failed for this batch."""
+        failed: list[int] = []
+        for pg in self._host_pgs:
+            flags = torch.zeros(pg.size(), dtype=torch.int32)
+            flags[pg.rank()] = int(failed_here)
+            dist.all_reduce(flags, group=pg)
+            failed = [r for r, f in enumerate(flags.tolist()) if f]
+        return failed
+
+    def _name_of(self, module: ShardedModule) -> str:
+        return self._names.get(id(module), type(module).__name__)
