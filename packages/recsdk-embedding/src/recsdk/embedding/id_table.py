@@ -804,8 +804,8 @@ class IdTable:
             self._free_rows(rows)
             self._stats["evictions"] += rows.numel()
             occupied[rows] = False
-        remaining = torch.where(occupied, self._last_step, _INT32_MAX)
-        self._idle_floor = int(remaining.min()) if remaining.numel() else step
+        # Rows stored later in this call get last_step == step, so the floor never exceeds it.
+        self._idle_floor = min(int(torch.where(occupied, self._last_step, _INT32_MAX).min()), step)
         return rows
 
     def _pending_rows(self) -> torch.Tensor:
