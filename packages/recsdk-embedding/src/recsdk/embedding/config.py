@@ -1,0 +1,80 @@
+"""``HashEmbeddingBagConfig``: TorchRec's ``EmbeddingBagConfig`` plus admission and eviction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from recsdk.embedding.policies import EVICTION_POLICY_TYPES, CountAdmission, EvictionPolicy
+
+__all__ = ["HashEmbeddingBagConfig"]
+
+_POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
+
+
+@dataclass
+class HashEmbeddingBagConfig(EmbeddingBagConfig):
+    """An embedding-bag table keyed by raw int64 ids (a TorchRec ``EmbeddingBagConfig`` subclass).
+
+    The planner and ``DistributedModelParallel`` take it wherever they take an
+    ``EmbeddingBagConfig``. ``num_embeddings`` is the table's capacity in rows: how many distinct
+    ids it can hold at once. Ids are any int64 values; the table's id table maps them to rows.
+
+    Validated at construction: ``embedding_dim`` positive and a multiple of 4 (the fused CPU
+    embedding kernel used by the sharded path needs it), ``num_embeddings`` positive, a non-empty
+    ``name``, non-empty distinct ``feature_names``, pooling SUM or MEAN, known policy types.
+
+    Args:
+        admission (CountAdmission | None): admit ids after enough sightings; None admits at once.
+        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table
+            is full; None makes a full table raise ``TableFullError``.
+        (other fields): as ``torchrec.EmbeddingBagConfig``.
+
+    Example::
+
+        HashEmbeddingBagConfig(
+            name="user", embedding_dim=64, num_embeddings=1 << 20, feature_names=["user_id"],
+            admission=CountAdmission(threshold=2), eviction=LRUEviction(),
+        )
+    """
+
+    admission: CountAdmission | None = None
+    eviction: EvictionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"HashEmbeddingBagConfig: name must be a non-empty str, got {name!r}")
+        where = f"HashEmbeddingBagConfig '{name}'"
+        for field, value in (("num_embeddings", self.num_embeddings), ("embedding_dim", self.embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}")
+            if value <= 0:
+                raise ValueError(f"{where}: {field} must be > 0, got {value}")
+        if self.num_embeddings > 2**31 - 2:
+            raise ValueError(f"{where}: num_embeddings must be <= {2**31 - 2}, got {self.num_embeddings}")
+        if self.embedding_dim % 4:
+            raise ValueError(
+                f"{where}: embedding_dim must be a multiple of 4 (the fused CPU embedding kernel needs it), "
+                f"got {self.embedding_dim}"
+            )
+        names = self.feature_names
+        if not isinstance(names, list) or not names:
+            raise ValueError(f"{where}: feature_names must be a non-empty list of str, got {names!r}")
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ValueError(f"{where}: feature names must be non-empty str, got {bad}")
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"{where}: feature names must be distinct, repeated: {dups}")
+        if self.pooling not in _POOLINGS:
+            raise ValueError(f"{where}: pooling must be PoolingType.SUM or PoolingType.MEAN, got {self.pooling}")
+        if self.admission is not None and not isinstance(self.admission, CountAdmission):
+            raise TypeError(f"{where}: admission must be a CountAdmission or None, got {type(self.admission).__name__}")
+        if self.eviction is not None and not isinstance(self.eviction, EVICTION_POLICY_TYPES):
+            raise TypeError(
+                f"{where}: eviction must be LRUEviction, LFUEviction, TTLEviction or None, "
+                f"got {type(self.eviction).__name__}"
+            )
+        super().__post_init__()
