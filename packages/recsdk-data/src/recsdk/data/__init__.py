@@ -12,6 +12,7 @@ from recsdk.data.device import (
     stream_context,
 )
 from recsdk.data.hashing import hash_string, hash_strings, mix64, unmix64
+from recsdk.data.parquet import ParquetRecDataset
 from recsdk.data.partition import current_shard, resolve_rank_and_world_size
 from recsdk.data.random_dataset import RandomRecDataset
 
@@ -21,6 +22,7 @@ __all__ = [
     "DEVICE_TYPES",
     "Batch",
     "CriteoDataset",
+    "ParquetRecDataset",
     "RandomRecDataset",
     "backend_for",
     "current_shard",

@@ -157,22 +157,22 @@ def _parse_ints(column: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np
     return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), bad
 
 
-def _parse_table(table: pa.Table) -> tuple[_Rows, npt.NDArray[np.bool_]]:
+def _parse_table(table: pa.RecordBatch) -> tuple[_Rows, npt.NDArray[np.bool_]]:
     """Convert string columns to rows; ``bad`` marks rows with a bad field (those rows hold zeros)."""
     n = table.num_rows
-    label = table.column("label").combine_chunks()
+    label = table.column("label")
     ones = pc.fill_null(pc.equal(label, "1"), False).to_numpy(zero_copy_only=False)
     zeros = pc.fill_null(pc.equal(label, "0"), False).to_numpy(zero_copy_only=False)
     bad = ~(ones | zeros)
     raw = np.empty((n, len(CRITEO_DENSE_COLUMNS)), dtype=np.int64)
     for j, name in enumerate(CRITEO_DENSE_COLUMNS):
-        raw[:, j], col_bad = _parse_ints(table.column(name).combine_chunks())
+        raw[:, j], col_bad = _parse_ints(table.column(name))
         bad |= col_bad
     dense = np.log1p(np.maximum(raw, 0).astype(np.float64)).astype(np.float32)
     ids = np.empty((n, len(CRITEO_SPARSE_FEATURES)), dtype=np.int64)
     present = np.empty((n, len(CRITEO_SPARSE_FEATURES)), dtype=np.bool_)
     for j, name in enumerate(CRITEO_SPARSE_FEATURES):
-        ids[:, j], present[:, j], col_bad = parse_hex_ids(table.column(name).combine_chunks())
+        ids[:, j], present[:, j], col_bad = parse_hex_ids(table.column(name))
         bad |= col_bad
     return _Rows(ones.astype(np.float32), dense, ids, present), bad
 
@@ -341,13 +341,15 @@ class CriteoDataset(IterableDataset[Batch]):
                 if len(part) == self.batch_size or not self.drop_last:
                     yield part.to_batch()
 
-    def _bad_lines(self, path: Path, bad: list[tuple[int, str]], table: pa.Table, lines: npt.NDArray[np.int64]) -> None:
+    def _bad_lines(
+        self, path: Path, bad: list[tuple[int, str]], table: pa.RecordBatch | None, lines: npt.NDArray[np.int64]
+    ) -> None:
         """Raise for the first bad line (``on_bad_line="error"``) or count them all."""
         if self.on_bad_line == "skip":
             self.bad_lines += len(bad)
             return
         line, why = bad[0]
-        if not why:  # a field value: find which one
+        if not why and table is not None:  # a field value: find which one
             why = _describe_bad_row(table, int(np.flatnonzero(lines == line)[0]))
         raise ValueError(f"{path}:{line}: bad Criteo line ({why}); pass on_bad_line='skip' to skip such lines")
 
@@ -403,7 +405,7 @@ class CriteoDataset(IterableDataset[Batch]):
                 if block_skips:
                     last_line = max(last_line, block_skips[-1][0])
                 mine = ((lines + line_offset - 1) % num_shards) == shard
-                table = pa.Table.from_batches([record_batch])
+                table = record_batch
                 if num_shards > 1:
                     table = table.take(pa.array(np.flatnonzero(mine)))
                     lines = lines[mine]
@@ -418,13 +420,13 @@ class CriteoDataset(IterableDataset[Batch]):
         tail = sorted(skipped[done:])  # bad lines after the last good row
         mine_tail = [(s, why) for s, why in tail if (s + line_offset - 1) % num_shards == shard]
         if mine_tail:
-            self._bad_lines(path, mine_tail, table=pa.table({}), lines=np.zeros(0, dtype=np.int64))
+            self._bad_lines(path, mine_tail, table=None, lines=np.zeros(0, dtype=np.int64))
         if tail:
             next_line = max(next_line, tail[-1][0] + 1)
         progress["lines"] = next_line - 1
 
 
-def _describe_bad_row(table: pa.Table, i: int) -> str:
+def _describe_bad_row(table: pa.RecordBatch, i: int) -> str:
     """Which field of row ``i`` is bad, for the error message."""
     row = {name: table.column(name)[i].as_py() for name in _COLUMNS}
     if row["label"] not in ("0", "1"):
