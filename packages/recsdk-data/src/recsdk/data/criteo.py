@@ -249,10 +249,11 @@ class CriteoDataset(IterableDataset[Batch]):
     * Labels: float32 ``[B]``.
 
     **Sharding.** Line ``L`` (1-based, counted across ``paths`` in order) belongs to
-    shard ``(L - 1) % num_shards``, where a shard is one DataLoader worker of one rank
-    (see :func:`recsdk.data.current_shard`); every reader parses all lines but converts
-    and yields only its own, so ranks and workers never overlap. Ranks may get one batch
-    more or fewer than each other.
+    rank ``(L - 1) % world_size``; DataLoader workers split their rank's lines
+    round-robin (see :func:`recsdk.data.current_shard`). Every reader parses all lines
+    but converts and yields only its own, so ranks and workers never overlap, and a rank
+    reads the same lines with or without workers. Ranks may get one batch more or fewer
+    than each other.
 
     **Bad lines** (wrong number of fields, a label other than 0/1, an integer field that
     is not a decimal integer, an invalid or over-long hex value; an empty line has no
@@ -365,25 +366,31 @@ class CriteoDataset(IterableDataset[Batch]):
             skipped.append((row.number, f"{row.actual_columns} fields, expected {row.expected_columns}"))
             return "skip"
 
-        reader = pa_csv.open_csv(
-            path,
-            read_options=pa_csv.ReadOptions(column_names=_COLUMNS, block_size=self.block_size, use_threads=False),
-            parse_options=pa_csv.ParseOptions(
-                delimiter="\t",
-                quote_char=False,
-                double_quote=False,
-                escape_char=False,
-                newlines_in_values=False,
-                ignore_empty_lines=False,
-                invalid_row_handler=on_invalid,
-            ),
-            convert_options=pa_csv.ConvertOptions(
-                column_types=dict.fromkeys(_COLUMNS, pa.string()),
-                null_values=[""],
-                strings_can_be_null=True,
-                quoted_strings_can_be_null=False,
-            ),
-        )
+        try:
+            reader = pa_csv.open_csv(
+                path,
+                read_options=pa_csv.ReadOptions(column_names=_COLUMNS, block_size=self.block_size, use_threads=False),
+                parse_options=pa_csv.ParseOptions(
+                    delimiter="\t",
+                    quote_char=False,
+                    double_quote=False,
+                    escape_char=False,
+                    newlines_in_values=False,
+                    ignore_empty_lines=False,
+                    invalid_row_handler=on_invalid,
+                ),
+                convert_options=pa_csv.ConvertOptions(
+                    column_types=dict.fromkeys(_COLUMNS, pa.string()),
+                    null_values=[""],
+                    strings_can_be_null=True,
+                    quoted_strings_can_be_null=False,
+                ),
+            )
+        except pa.ArrowInvalid as e:
+            if "Empty CSV file" not in str(e):
+                raise
+            return  # an empty file has no lines
+
         next_line = 1  # first line of the next block
         done = 0  # entries of `skipped` already handled
         with reader:

@@ -1,9 +1,11 @@
 """Which part of a data stream the current process reads: its rank and DataLoader worker.
 
-Every dataset in ``recsdk.data`` splits its input the same way: the stream of a rank is
-cut into ``num_workers`` disjoint parts, one per DataLoader worker, and the ranks read
-disjoint parts of the input. :func:`current_shard` gives this process's part as
-``(shard, num_shards)`` with ``shard = rank * num_workers + worker_id``.
+Every dataset in ``recsdk.data`` splits its input the same way. With ``W`` DataLoader
+workers per rank, worker ``w`` of rank ``r`` is shard ``r + world_size * w`` of
+``world_size * W``. Items (lines, rows, row groups) dealt round-robin to the shards
+(item ``i`` to shard ``i % num_shards``) then go to rank ``i % world_size`` whatever ``W``
+is: the workers only split a rank's items among themselves, so a rank reads the same
+items with or without workers, and the ranks never overlap.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def current_worker() -> tuple[int, int]:
 
 
 def current_shard(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """This process's part of the input: ``(rank * num_workers + worker_id, world_size * num_workers)``.
+    """This process's part of the input: ``(rank + world_size * worker_id, world_size * num_workers)``.
 
     Args:
         rank (int | None): see :func:`resolve_rank_and_world_size`.
@@ -78,4 +80,4 @@ def current_shard(rank: int | None = None, world_size: int | None = None) -> tup
     """
     r, ws = resolve_rank_and_world_size(rank, world_size)
     worker, num_workers = current_worker()
-    return r * num_workers + worker, ws * num_workers
+    return r + ws * worker, ws * num_workers

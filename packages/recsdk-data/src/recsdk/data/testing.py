@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -64,7 +65,9 @@ def _worker(
         finally:
             # No barrier here: a failed rank must not wait for the others.
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle: tensors travel by value (the queue's own pickler would share them
+        # through file descriptors that die with this process).
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -141,7 +144,7 @@ def run_distributed(
                     grace_deadline = time.monotonic() + 10.0
                 continue
             if ok:
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 if grace_deadline is None:
