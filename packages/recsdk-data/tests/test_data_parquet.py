@@ -1,0 +1,208 @@
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from recsdk.data import Batch, ParquetRecDataset, hash_string
+from recsdk.data.testing import run_distributed
+
+
+def _write(path: Path, table: pa.Table, row_group_size: int) -> Path:
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def _numbered(path: Path, first: int, n: int, row_group_size: int) -> Path:
+    """Rows whose label is 1 and whose `row` id is first, first + 1, ..."""
+    rows = list(range(first, first + n))
+    table = pa.table(
+        {
+            "click": pa.array([1] * n, pa.int8()),
+            "x": pa.array([float(r) for r in rows]),
+            "row": pa.array(rows, pa.int64()),
+        }
+    )
+    return _write(path, table, row_group_size)
+
+
+def _rows(batches: list[Batch]) -> list[int]:
+    return [int(v) for b in batches for v in b.sparse_features["row"].values()]
+
+
+def _numbered_ds(paths: list[Path], batch_size: int, **kwargs: object) -> ParquetRecDataset:
+    return ParquetRecDataset(
+        paths, batch_size, label_column="click", dense_columns=["x"], sparse_columns=["row"], **kwargs
+    )  # type: ignore[arg-type]
+
+
+def test_every_column_kind_converts(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "y": pa.array([True, False, True]),
+            "age": pa.array([1.5, None, 3.0], pa.float32()),
+            "n": pa.array([7, 8, 9], pa.int32()),
+            "uid": pa.array([5, None, -(2**63)], pa.int64()),
+            "big": pa.array([2**64 - 1, 1, 2**63], pa.uint64()),
+            "items": pa.array([[1, 2, 3], None, [4, None]], pa.list_(pa.int64())),
+            "city": pa.array(["paris", None, "東京"]),
+            "tags": pa.array([["a", "b"], [], ["a"]], pa.list_(pa.string())),
+            "shop": pa.array(["s1", "s2", "s1"]).dictionary_encode(),
+        }
+    )
+    path = _write(tmp_path / "all.parquet", table, row_group_size=2)
+    sparse = ["uid", "big", "items", "city", "tags", "shop"]
+    ds = ParquetRecDataset(path, 3, label_column="y", dense_columns=["age", "n"], sparse_columns=sparse)
+    (batch,) = list(ds)
+    assert batch.labels.tolist() == [1.0, 0.0, 1.0]
+    assert batch.dense_features.tolist() == [[1.5, 7.0], [0.0, 8.0], [3.0, 9.0]]
+    kjt = batch.sparse_features
+    assert kjt.keys() == sparse and kjt.weights_or_none() is None
+    got = {k: (jt.lengths().tolist(), jt.values().tolist()) for k, jt in kjt.to_dict().items()}
+    h = hash_string
+    assert got == {
+        "uid": ([1, 0, 1], [5, -(2**63)]),
+        "big": ([1, 1, 1], [-1, 1, -(2**63)]),  # uint64 wraps to int64
+        "items": ([3, 0, 1], [1, 2, 3, 4]),  # null list: empty bag; null element dropped
+        "city": ([1, 0, 1], [h("paris"), h("東京")]),
+        "tags": ([2, 0, 1], [h("a"), h("b"), h("a")]),
+        "shop": ([1, 1, 1], [h("s1"), h("s2"), h("s1")]),
+    }
+
+
+def test_weights_follow_their_ids(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "y": [0, 1],
+            "items": pa.array([[10, None, 30], [40]], pa.list_(pa.int64())),
+            "w": pa.array([[0.5, 9.0, 2.0], [4.0]], pa.list_(pa.float64())),
+            "uid": pa.array([1, 2], pa.int64()),
+        }
+    )
+    path = _write(tmp_path / "w.parquet", table, row_group_size=10)
+    ds = ParquetRecDataset(
+        path, 2, label_column="y", dense_columns=[], sparse_columns=["uid", "items"], weight_columns={"items": "w"}
+    )
+    (batch,) = list(ds)
+    assert batch.dense_features.shape == (2, 0)
+    kjt = batch.sparse_features
+    assert kjt.values().tolist() == [1, 2, 10, 30, 40]
+    assert kjt.weights().tolist() == [1.0, 1.0, 0.5, 2.0, 4.0]  # unweighted feature: 1.0
+
+
+def test_batches_cross_row_groups_and_files(tmp_path: Path) -> None:
+    a = _numbered(tmp_path / "a.parquet", 0, 25, row_group_size=4)
+    b = _numbered(tmp_path / "b.parquet", 25, 10, row_group_size=3)
+    batches = list(_numbered_ds([a, b], 8))
+    assert [x.batch_size for x in batches] == [8, 8, 8, 8, 3]
+    assert _rows(batches) == list(range(35))
+    assert torch.equal(torch.cat([x.dense_features[:, 0] for x in batches]), torch.arange(35, dtype=torch.float32))
+    assert [x.batch_size for x in _numbered_ds([a, b], 8, drop_last=True)] == [8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("shard_by", ["row_group", "row"])
+def test_ranks_read_disjoint_parts_that_cover_the_files(tmp_path: Path, shard_by: str) -> None:
+    a = _numbered(tmp_path / "a.parquet", 0, 25, row_group_size=4)
+    b = _numbered(tmp_path / "b.parquet", 25, 10, row_group_size=3)
+    parts = [_rows(list(_numbered_ds([a, b], 5, rank=r, world_size=3, shard_by=shard_by))) for r in range(3)]
+    assert sorted(row for part in parts for row in part) == list(range(35))
+    if shard_by == "row":
+        assert parts[1] == list(range(1, 35, 3))
+    else:  # row groups 0..10 dealt round-robin: rank 1 gets groups 1, 4 (a) and 7, 10 (b)
+        assert parts[1] == [4, 5, 6, 7, 16, 17, 18, 19, 25, 26, 27, 34]
+    # DataLoader workers split a rank's part between them.
+    ds = _numbered_ds([a, b], 5, rank=1, world_size=3, shard_by=shard_by)
+    assert sorted(_rows(list(DataLoader(ds, batch_size=None, num_workers=2)))) == sorted(parts[1])
+
+
+def _rank_rows(rank: int, world_size: int, path: str) -> list[int]:
+    return _rows(list(_numbered_ds([Path(path)], 4)))
+
+
+def test_rank_defaults_to_torch_distributed(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "a.parquet", 0, 12, row_group_size=3)
+    assert run_distributed(_rank_rows, 2, str(path)) == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
+
+
+def test_too_few_row_groups_for_the_readers(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "a.parquet", 0, 10, row_group_size=100)
+    ds = _numbered_ds([path], 4, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"1 row groups in 1 files cannot be shared by 2 readers.*shard_by='row'"):
+        list(ds)
+    assert _rows(list(_numbered_ds([path], 4, rank=1, world_size=2, shard_by="row"))) == [1, 3, 5, 7, 9]
+
+
+def test_unknown_column_lists_the_file_columns(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "a.parquet", 0, 3, row_group_size=3)
+    with pytest.raises(
+        ValueError, match=r"column 'user' is not in .*a\.parquet'; its columns are \['click', 'x', 'row'\]"
+    ):
+        ParquetRecDataset(path, 2, label_column="click", dense_columns=["x"], sparse_columns=["user"])
+
+
+def test_bad_column_types_and_values(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "y": pa.array([1.0, None]),
+            "name": ["a", "b"],
+            "f": pa.array([0.5, 1.5]),
+            "ids": pa.array([[1, 2], [3]], pa.list_(pa.int64())),
+            "w": pa.array([[1.0], [2.0]], pa.list_(pa.float64())),
+            "uid": pa.array([1, 2]),
+        }
+    )
+    path = _write(tmp_path / "t.parquet", table, row_group_size=10)
+
+    def make(**kwargs: object) -> ParquetRecDataset:
+        args: dict[str, object] = {"label_column": "y", "dense_columns": [], "sparse_columns": ["uid"]}
+        args.update(kwargs)
+        return ParquetRecDataset(path, 2, **args)  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError, match=r"dense column 'name' .* must be a number or bool, got string"):
+        make(dense_columns=["name"])
+    with pytest.raises(
+        TypeError, match=r"sparse column 'f' .* must hold integers, strings or lists of them, got double"
+    ):
+        make(sparse_columns=["f"])
+    with pytest.raises(TypeError, match=r"label column 'name' .* must be a number or bool"):
+        make(label_column="name")
+    with pytest.raises(TypeError, match=r"weight column 'f' .* must match sparse column 'ids'"):
+        make(sparse_columns=["ids"], weight_columns={"ids": "f"})
+    with pytest.raises(ValueError, match=r"weight_columns keys must be sparse columns \['uid'\], got \['ids'\]"):
+        make(weight_columns={"ids": "w"})
+    with pytest.raises(ValueError, match=r"sparse column 'ids' and its weight column .* differ in lengths"):
+        list(make(label_column="f", sparse_columns=["ids"], weight_columns={"ids": "w"}))
+    with pytest.raises(ValueError, match=r"label column 'y' in .* has 1 null values"):
+        list(make())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"batch_size": 0}, ValueError, r"batch_size must be >= 1, got 0"),
+        ({"shard_by": "file"}, ValueError, r"shard_by must be one of \('row_group', 'row'\), got 'file'"),
+        ({"sparse_columns": []}, ValueError, r"sparse_columns must not be empty"),
+        ({"dense_columns": ["x", "x"]}, ValueError, r"dense_columns must be distinct"),
+        ({"label_column": ""}, TypeError, r"label_column must be a non-empty str"),
+        ({"drop_last": "yes"}, TypeError, r"drop_last must be a bool"),
+        ({"rank": 2, "world_size": 2}, ValueError, r"rank must be in \[0, world_size=2\), got 2"),
+    ],
+)
+def test_bad_arguments_are_named(tmp_path: Path, kwargs: dict[str, object], error: type, pattern: str) -> None:
+    args: dict[str, object] = {
+        "paths": _numbered(tmp_path / "a.parquet", 0, 3, row_group_size=3),
+        "batch_size": 2,
+        "label_column": "click",
+        "dense_columns": ["x"],
+        "sparse_columns": ["row"],
+    }
+    args.update(kwargs)
+    with pytest.raises(error, match=pattern):
+        ParquetRecDataset(**args)  # type: ignore[arg-type]
+
+
+def test_missing_file_fails_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"missing\.parquet"):
+        _numbered_ds([tmp_path / "missing.parquet"], 2)
