@@ -1,0 +1,319 @@
+"""IdTable behaviour at scale and at its boundaries (the random-sequence model test is separate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsdk.embedding import (
+    CountAdmission,
+    IdTable,
+    LFUEviction,
+    LRUEviction,
+    TableFullError,
+    TTLEviction,
+    fmix64,
+)
+from recsdk.embedding.hashing import fmix64_reference
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+def _random_ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(INT64_MIN, INT64_MAX, (n,), generator=g, dtype=torch.int64)
+
+
+def test_fmix64_matches_python_reference_on_extremes() -> None:
+    values = [0, 1, -1, INT64_MIN, INT64_MAX, 12345678901234567, -987654321]
+    got = fmix64(torch.tensor(values)).tolist()
+    assert got == [fmix64_reference(v) for v in values]
+    assert fmix64(torch.tensor(values), salt=7).tolist() == [fmix64_reference(v, 7) for v in values]
+
+
+def test_many_ids_against_dict_collision_free() -> None:
+    table = IdTable(50_000, name="big")
+    model: dict[int, int] = {}
+    for step in range(6):
+        ids = torch.cat([_random_ids(6_000, step), _random_ids(2_000, 0)])  # new ids plus repeats of step 0
+        rows = table.find_or_insert(ids)
+        for x, r in zip(ids.tolist(), rows.tolist(), strict=True):
+            assert model.setdefault(x, r) == r
+    assert len(table) == len(model) == len(set(model.values()))
+    assert all(0 <= r < 50_000 for r in model.values())
+    ids = torch.tensor(list(model))
+    assert table.find(ids).tolist() == list(model.values())
+
+
+def test_lru_churn_with_rehash_keeps_exact_mapping() -> None:
+    """Every step brings 97 new ids into 291 rows: the 3 newest batches stay, tombstones force rehashes."""
+    table = IdTable(291, eviction=LRUEviction(), name="churn")
+    live: dict[int, int] = {}
+    batches: list[list[int]] = []
+    tombstones_made = 0
+    for step in range(60):
+        ids = _random_ids(97, 1000 + step)
+        rows = table.find_or_insert(ids).tolist()
+        batches.append(ids.tolist())
+        for x, r in zip(ids.tolist(), rows, strict=True):
+            live[x] = r
+        keep = {x for b in batches[-3:] for x in b}
+        live = {x: r for x, r in live.items() if x in keep}
+        tombstones_made += 97 if step >= 3 else 0
+        assert len(set(live.values())) == len(live)
+    assert len(table) == len(live) == 291
+    ids, rows = table.ids_and_rows()
+    assert dict(zip(ids.tolist(), rows.tolist(), strict=True)) == live
+    assert table.find(torch.tensor(list(live))).tolist() == list(live.values())
+    assert table.stats()["evictions"] == 60 * 97 - 291
+    assert tombstones_made > 10 * table.num_slots  # the slot array was rebuilt many times
+
+
+def test_int32_ids_are_sign_extended() -> None:
+    table = IdTable(8)
+    rows32 = table.find_or_insert(torch.tensor([-5, 7, 2**31 - 1, -(2**31)], dtype=torch.int32))
+    rows64 = table.find(torch.tensor([-5, 7, 2**31 - 1, -(2**31)], dtype=torch.int64))
+    assert torch.equal(rows32, rows64)
+    assert table.find(torch.tensor([2**32 - 5])).item() == -1  # not the unsigned reading of -5
+
+
+def test_extreme_ids_are_ordinary_ids() -> None:
+    table = IdTable(4)
+    ids = torch.tensor([INT64_MIN, INT64_MAX, 0, -1])
+    rows = table.find_or_insert(ids)
+    assert sorted(rows.tolist()) == [0, 1, 2, 3]
+    assert torch.equal(table.find(ids), rows)
+    assert table.find(torch.tensor([1, INT64_MIN + 1, INT64_MAX - 1])).tolist() == [-1, -1, -1]
+
+
+def test_shape_is_preserved_and_duplicates_share_rows() -> None:
+    table = IdTable(10)
+    ids = torch.tensor([[3, 4, 3], [4, 4, 9]])
+    rows = table.find_or_insert(ids)
+    assert rows.shape == (2, 3)
+    assert rows[0, 0] == rows[0, 2] and rows[0, 1] == rows[1, 0] == rows[1, 1]
+    assert len(table) == 3
+
+
+def test_table_full_error_names_table_capacity_and_fixes_and_changes_nothing() -> None:
+    table = IdTable(3, name="user_table")
+    table.find_or_insert(torch.tensor([1, 2]))
+    before = table.state_dict()
+    with pytest.raises(TableFullError) as info:
+        table.find_or_insert(torch.tensor([2, 3, 4]))
+    msg = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert "user_table" in msg and "capacity 3" in msg and "num_embeddings" in msg and "eviction" in msg
+    after = table.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert table.find(torch.tensor([3, 4])).tolist() == [-1, -1]
+    assert table.find_or_insert(torch.tensor([3])).item() == 2  # exactly one row was left
+
+
+def test_full_of_pinned_rows_raises_and_unpinning_lets_eviction_work() -> None:
+    table = IdTable(2, eviction=LRUEviction(), name="pinned")
+    rows = table.find_or_insert(torch.tensor([10, 11]))
+    table.pin(rows)
+    with pytest.raises(TableFullError, match="pinned"):
+        table.find_or_insert(torch.tensor([12]))
+    table.unpin(rows[:1])
+    assert table.find_or_insert(torch.tensor([12])).item() == rows[0].item()
+    assert table.find(torch.tensor([10, 11])).tolist() == [-1, rows[1].item()]
+
+
+def test_rows_of_the_current_batch_are_not_evicted() -> None:
+    table = IdTable(2, eviction=LRUEviction())
+    table.find_or_insert(torch.tensor([1, 2]))
+    with pytest.raises(TableFullError):
+        table.find_or_insert(torch.tensor([1, 2, 3]))
+    rows = table.find_or_insert(torch.tensor([2, 3]))  # 1 is the only candidate
+    assert table.find(torch.tensor([1])).item() == -1 and rows.tolist() == [1, 0]
+
+
+def test_lfu_evicts_least_frequent_then_least_recent() -> None:
+    table = IdTable(3, eviction=LFUEviction())
+    table.find_or_insert(torch.tensor([1, 2, 3]))
+    table.find_or_insert(torch.tensor([1, 1, 1, 2]))  # freq: 1 -> 2, 2 -> 2, 3 -> 1 (repeats count once)
+    table.find_or_insert(torch.tensor([2]))  # freq 2 -> 3
+    table.find_or_insert(torch.tensor([4]))  # evicts 3 (freq 1)
+    assert table.find(torch.tensor([3])).item() == -1
+    table.find_or_insert(torch.tensor([5]))  # 4 has freq 1: evicted before 1 (freq 2)
+    assert table.find(torch.tensor([1, 2, 4, 5])).ge(0).tolist() == [True, True, False, True]
+
+
+def test_ttl_frees_idle_rows_each_call_and_reports_reassignment() -> None:
+    table = IdTable(4, eviction=TTLEviction(max_idle_steps=2))
+    first = table.find_or_insert(torch.tensor([1, 2]))
+    table.find_or_insert(torch.tensor([1]))
+    table.find_or_insert(torch.tensor([1]))
+    assert len(table) == 2  # 2 is idle for 2 steps: still there
+    table.find_or_insert(torch.tensor([1]))
+    assert len(table) == 1 and table.find(torch.tensor([2])).item() == -1
+    assert table.stats()["evictions"] == 1
+    assert table.take_reassigned_rows().numel() == 0  # freed, not yet given to another id
+    row = table.find_or_insert(torch.tensor([99])).item()
+    assert row == first[1].item()
+    assert table.take_reassigned_rows().tolist() == [row]
+    assert table.take_reassigned_rows().numel() == 0
+
+
+def test_evict_idle_explicit_sweep_skips_pinned_rows() -> None:
+    table = IdTable(4, eviction=LRUEviction())
+    rows = table.find_or_insert(torch.tensor([1, 2, 3]))
+    table.pin(rows[1:2])
+    table.find_or_insert(torch.tensor([3]))
+    step_before = table.step
+    freed = table.evict_idle(0)
+    assert freed.tolist() == [rows[0].item()] and table.step == step_before
+    with pytest.raises(ValueError, match="TTLEviction"):
+        table.evict_idle()
+    with pytest.raises(ValueError, match="eviction policy"):
+        IdTable(2).evict_idle(1)
+
+
+def test_admission_counts_once_per_call_and_admits_at_threshold() -> None:
+    table = IdTable(8, admission=CountAdmission(threshold=3, counter_slots=1 << 12))
+    assert table.find_or_insert(torch.tensor([5, 5, 5, 5])).tolist() == [-1] * 4
+    assert table.find_or_insert(torch.tensor([5])).tolist() == [-1]
+    assert len(table) == 0 and table.stats()["admission_rejects"] == 2
+    row = table.find_or_insert(torch.tensor([5, 6])).tolist()
+    assert row[0] >= 0 and row[1] == -1
+    assert table.find(torch.tensor([5])).tolist() == [row[0]]
+
+
+def test_admission_memory_is_bounded_by_counter_slots() -> None:
+    policy = {"admission": CountAdmission(2, counter_slots=64, num_hashes=2), "eviction": LRUEviction()}
+    small = IdTable(16, **policy)  # type: ignore[arg-type]
+    for seed in range(200):
+        small.find_or_insert(_random_ids(10, seed))
+    assert small.stats()["lookups"] == 2000
+    assert small.memory_bytes == IdTable(16, **policy).memory_bytes  # type: ignore[arg-type]
+    # Overcounting can only admit early: an id seen twice is always admitted.
+    table = IdTable(5000, admission=CountAdmission(2, counter_slots=64))
+    ids = _random_ids(2000, 42)
+    table.find_or_insert(ids)
+    assert bool((table.find_or_insert(ids) >= 0).all())
+
+
+def test_pin_unpin_reference_counts_and_validation() -> None:
+    table = IdTable(4, eviction=LRUEviction())
+    rows = table.find_or_insert(torch.tensor([1, 2]))
+    table.pin(torch.tensor([rows[0].item(), rows[0].item(), -1]))
+    table.unpin(rows[:1])
+    assert table.num_pinned() == 1
+    with pytest.raises(ValueError, match="unpin"):
+        table.unpin(torch.tensor([rows[0].item(), rows[0].item()]))
+    assert table.num_pinned() == 1  # unchanged by the failed call
+    with pytest.raises(ValueError, match=r"\[-1, 4\)"):
+        table.pin(torch.tensor([4]))
+    with pytest.raises(TypeError):
+        table.pin(torch.tensor([0.0]))
+
+
+def test_state_dict_round_trip_preserves_future_behaviour() -> None:
+    def run(table: IdTable, batches: list[torch.Tensor]) -> list[list[int]]:
+        return [table.find_or_insert(b).tolist() for b in batches]
+
+    policy = {"admission": CountAdmission(2, counter_slots=1 << 12), "eviction": LRUEviction()}
+    warm = [_random_ids(5, s) % 11 for s in range(8)]
+    later = [_random_ids(5, 100 + s) % 13 for s in range(8)]
+    a = IdTable(6, **policy)  # type: ignore[arg-type]
+    run(a, warm)
+    b = IdTable(6, **policy)  # type: ignore[arg-type]
+    b.load_state_dict(a.state_dict())
+    assert run(a, later) == run(b, later)
+    assert a.stats() == b.stats()
+    assert torch.equal(a.take_reassigned_rows(), b.take_reassigned_rows())
+
+
+def test_load_state_dict_rejects_bad_states_and_keeps_the_table() -> None:
+    a = IdTable(4)
+    a.find_or_insert(torch.tensor([1, 2]))
+    sd = a.state_dict()
+    with pytest.raises(ValueError, match="capacity"):
+        IdTable(5).load_state_dict(sd)
+    with pytest.raises(ValueError, match="lacks keys"):
+        IdTable(4).load_state_dict({k: v for k, v in sd.items() if k != "ids"})
+    broken = dict(sd, free_rows=sd["free_rows"][:1])
+    b = IdTable(4)
+    b.find_or_insert(torch.tensor([7]))
+    with pytest.raises(ValueError, match="exactly once"):
+        b.load_state_dict(broken)
+    assert b.find(torch.tensor([7])).item() == 0
+    with pytest.raises(ValueError, match="admission counters"):
+        IdTable(4, admission=CountAdmission(3, counter_slots=16)).load_state_dict(sd)
+    b.pin(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="pinned"):
+        b.load_state_dict(sd)
+
+
+def test_rebuild_from_ids_and_rows_with_remove_and_insert_at() -> None:
+    src = IdTable(10, eviction=LRUEviction(), name="src")
+    src.find_or_insert(torch.tensor([100, 200, 300, 400]))
+    ids, rows = src.ids_and_rows()
+    moving = ids % 200 == 0
+    removed = src.remove(ids[moving])
+    assert torch.equal(removed, rows[moving])
+    assert src.find(ids).ge(0).tolist() == (~moving).tolist()
+    dst = IdTable(10, eviction=LRUEviction(), name="dst")
+    dst.insert_at(ids[moving], rows[moving])
+    assert torch.equal(dst.find(ids[moving]), rows[moving])
+    assert dst.take_reassigned_rows().numel() == 0
+    new = dst.find_or_insert(torch.tensor([500, 600]))
+    assert not bool(torch.isin(new, rows[moving]).any())  # rows given by insert_at are taken
+    with pytest.raises(ValueError, match="already in the table"):
+        dst.insert_at(torch.tensor([200]), torch.tensor([9]))
+    with pytest.raises(ValueError, match="already holds"):
+        dst.insert_at(torch.tensor([7]), new[:1])
+    with pytest.raises(ValueError, match="distinct"):
+        dst.insert_at(torch.tensor([7, 7]), torch.tensor([8, 9]))
+    assert len(dst) == 4
+
+
+def test_validation_errors_name_the_table() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        IdTable(0, name="t")
+    with pytest.raises(TypeError, match="capacity"):
+        IdTable(True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="admission"):
+        IdTable(4, admission=LRUEviction())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="eviction"):
+        IdTable(4, eviction=CountAdmission(2))  # type: ignore[arg-type]
+    table = IdTable(4, name="emb_t")
+    with pytest.raises(TypeError, match=r"emb_t.*float32"):
+        table.find_or_insert(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="Tensor"):
+        table.find([1, 2])  # type: ignore[arg-type]
+
+
+def test_meta_table_allocates_nothing_and_refuses_lookups() -> None:
+    table = IdTable(1 << 30, device="meta", name="huge")
+    assert table.capacity == 1 << 30 and len(table) == 0
+    with pytest.raises(RuntimeError, match="meta"):
+        table.find(torch.tensor([1]))
+
+
+def test_bytes_per_row_stay_under_48_at_8m_capacity() -> None:
+    capacity = 8 << 20
+    table = IdTable(capacity, device="meta", eviction=LFUEviction())
+    assert table.memory_bytes / capacity <= 48
+    worst = IdTable((1 << 22) // 3 * 2 + 1, device="meta")  # 1.5x capacity just above 2**22: 12 slot bytes per row
+    assert worst.num_slots == 1 << 23
+    assert worst.memory_bytes / worst.capacity <= 48
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_table_matches_cpu_table() -> None:
+    ids = torch.cat([_random_ids(20_000, 1), _random_ids(5_000, 1)])
+    cpu = IdTable(30_000, eviction=LRUEviction())
+    gpu = IdTable(30_000, eviction=LRUEviction(), device="cuda")
+    for shift in range(3):
+        batch = ids.roll(shift * 777)
+        assert torch.equal(cpu.find_or_insert(batch), gpu.find_or_insert(batch.cuda()).cpu())
+    small_cpu = IdTable(1000, eviction=LRUEviction())
+    small_gpu = IdTable(1000, eviction=LRUEviction(), device="cuda")
+    for seed in range(5):
+        batch = _random_ids(600, seed)
+        assert torch.equal(small_cpu.find_or_insert(batch), small_gpu.find_or_insert(batch.cuda()).cpu())
+        assert torch.equal(small_cpu.take_reassigned_rows(), small_gpu.take_reassigned_rows().cpu())
