@@ -188,7 +188,15 @@ class IdTable:
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the table's tensors: slots, per-row arrays and admission counters."""
-        tensors = [self._slots, self._row_id, self._row_state, self._last_step, self._freq, self._pins, self._free]
+        tensors = [
+            self._slots,
+            self._row_id,
+            self._row_state,
+            self._last_step_buf,
+            self._freq_buf,
+            self._pins,
+            self._free,
+        ]
         if self._sketch is not None:
             tensors.append(self._sketch.counters)
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -228,13 +236,14 @@ class IdTable:
         miss = rows < 0
         miss_idx = miss.nonzero().squeeze(1)
         num_miss = miss_idx.numel()
-        hit_rows = rows[~miss] if num_miss else rows  # may repeat; eviction never frees these this step
+        # Rows this batch holds, with misses sent to the spare metadata entry at index ``capacity``.
+        used = rows.masked_fill(miss, self._capacity) if self._eviction is not None else None
 
         # Read-only phase: work out what to insert and whether it fits, before touching any state.
         uniq = inverse = positions = estimate = admitted = None
         num_new = 0
         if num_miss:
-            uniq, inverse = torch.unique(flat[miss_idx], return_inverse=True)
+            uniq, inverse = torch.unique(flat.index_select(0, miss_idx), return_inverse=True)
             if self._sketch is not None:
                 positions = self._sketch.positions(uniq)
                 estimate = self._sketch.estimate(positions)
@@ -242,18 +251,20 @@ class IdTable:
                 num_new = int(admitted.sum())
             else:
                 num_new = uniq.numel()
+        in_use = None  # bool [capacity + 1]: rows this batch holds (eviction never frees them in this call)
         if num_new > self._free_top:
-            self._check_room(num_new, hit_rows)
+            in_use = self._check_room(num_new, used)
 
         # Commit phase.
         self._step += 1
         step = self._step
         self._stats["lookups"] += flat.numel()
         self._stats["hits"] += flat.numel() - num_miss
-        if self._eviction is not None and hit_rows.numel():
-            self._last_step[hit_rows] = step
+        if used is not None and num_miss < flat.numel():
+            self._last_step_buf.index_fill_(0, used, step)
             if isinstance(self._eviction, LFUEviction):
-                self._freq[hit_rows] = self._freq[hit_rows].clamp(max=_INT32_MAX - 1) + 1
+                freq = self._freq_buf.index_select(0, used).clamp_(max=_INT32_MAX - 1).add_(1)
+                self._freq_buf.index_put_((used,), freq)  # repeats write equal values: +1 per step
         if isinstance(self._eviction, TTLEviction):
             self._sweep_idle(self._eviction.max_idle_steps)
         if uniq is None or inverse is None:
@@ -268,7 +279,8 @@ class IdTable:
         if num_new:
             shortfall = num_new - self._free_top
             if shortfall > 0:
-                self._evict(shortfall, hit_rows)
+                assert in_use is not None  # shortfall > 0 implies num_new > free rows before the call
+                self._evict(shortfall, in_use)
             new_rows = self._pop_free(num_new)
             self._place(new_ids, new_rows, step=step)
             self._stats["inserts"] += num_new
@@ -277,7 +289,7 @@ class IdTable:
             else:
                 uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
                 uniq_rows[admitted] = new_rows
-            rows[miss_idx] = uniq_rows[inverse]
+            rows.index_copy_(0, miss_idx, uniq_rows.index_select(0, inverse))
         return rows.view(shape)
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -596,8 +608,11 @@ class IdTable:
         self._slots = torch.full((self._num_slots,), _EMPTY, dtype=torch.int32, device=dev)
         self._row_id = torch.zeros(cap, dtype=torch.int64, device=dev)
         self._row_state = torch.zeros(cap, dtype=torch.int8, device=dev)
-        self._last_step = torch.zeros(cap, dtype=torch.int32, device=dev)
-        self._freq = torch.zeros(cap, dtype=torch.int32, device=dev)
+        # One spare entry at index ``capacity`` absorbs writes for ids without a row.
+        self._last_step_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
+        self._freq_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
+        self._last_step = self._last_step_buf[:cap]
+        self._freq = self._freq_buf[:cap]
         self._pins = torch.zeros(cap, dtype=torch.int32, device=dev)
         self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int32, device=dev)  # pops 0, 1, 2, ...
         self._free_top = cap
@@ -647,33 +662,44 @@ class IdTable:
         flat = flat[flat >= 0]
         return torch.unique(flat, return_counts=True)
 
-    def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        return fmix64(ids).bitwise_and_(self._slot_mask)
+    def _stride(self, hashes: torch.Tensor) -> torch.Tensor:
+        """Probe stride from the high 32 bits of the hash: odd, so a probe visits every slot."""
+        return (
+            torch.bitwise_right_shift(hashes, 32).bitwise_and_(0xFFFFFFFF).bitwise_or_(1).bitwise_and_(self._slot_mask)
+        )
+
+    def _probe_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """First slot and stride of each id's probe sequence ``home + k * stride (mod num_slots)``."""
+        h = fmix64(ids)
+        return h.bitwise_and(self._slot_mask), self._stride(h)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
         n = ids.numel()
-        rows = torch.full((n,), -1, dtype=torch.int64, device=self._device)
         if n == 0 or self._size == 0:
-            return rows
-        pos = self._home(ids)
-        idx: torch.Tensor | None = None  # positions in the batch of the ids still probing; None = all
-        cur = ids
-        while True:
+            return torch.full((n,), -1, dtype=torch.int64, device=self._device)
+        # Round one covers the whole batch; index_select and int32 arithmetic keep it cheap.
+        h = fmix64(ids)
+        pos = h.bitwise_and(self._slot_mask)
+        slot = self._slots.index_select(0, pos)
+        match = self._row_id.index_select(0, slot.clamp(min=0)) == ids
+        match &= slot >= 0
+        rows = (slot + 1).mul_(match).sub_(1)  # int32: the row where matched, else -1
+        idx = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)  # batch positions still probing
+        pos = pos.index_select(0, idx)
+        stride = self._stride(h.index_select(0, idx))
+        while idx.numel():
+            pos.add_(stride).bitwise_and_(self._slot_mask)
             slot = self._slots.index_select(0, pos)
-            match = self._row_id.index_select(0, slot.clamp(min=0)) == cur
+            match = self._row_id.index_select(0, slot.clamp(min=0)) == ids.index_select(0, idx)
             match &= slot >= 0
-            if idx is None:
-                rows = torch.where(match, slot.long(), rows)
-            else:
-                rows[idx[match]] = slot[match].long()
-            go_on = (slot != _EMPTY) & ~match
-            keep = go_on.nonzero().squeeze(1)
-            if keep.numel() == 0:
-                return rows
-            idx = keep if idx is None else idx[keep]
-            cur = cur[keep]
-            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+            found = match.nonzero().squeeze(1)
+            rows.index_copy_(0, idx.index_select(0, found), slot.index_select(0, found))
+            keep = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)
+            idx = idx.index_select(0, keep)
+            pos = pos.index_select(0, keep)
+            stride = stride.index_select(0, keep)
+        return rows.long()
 
     def _slots_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Slot index of each occupied row (int64 ``[n]`` in, int64 ``[n]`` out)."""
@@ -681,29 +707,30 @@ class IdTable:
         if rows.numel() == 0:
             return out
         target = rows.to(torch.int32)
-        pos = self._home(self._row_id[rows])
+        pos, stride = self._probe_start(self._row_id.index_select(0, rows))
         idx = torch.arange(rows.numel(), device=self._device)
         while idx.numel():
-            found = self._slots[pos] == target
+            found = self._slots.index_select(0, pos) == target
             out[idx[found]] = pos[found]
             keep = (~found).nonzero().squeeze(1)
-            idx, target = idx[keep], target[keep]
-            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+            idx, target, stride = idx.index_select(0, keep), target.index_select(0, keep), stride.index_select(0, keep)
+            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._slot_mask)
         return out
 
     def _claim_slots(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` into free slots along the probe paths of ``ids`` (distinct ids, none stored)."""
-        pos = self._home(ids)
+        pos, stride = self._probe_start(ids)
         cand = rows.to(torch.int32)
         while pos.numel():
-            before = self._slots[pos]
-            free = before < 0
-            self._slots[pos[free]] = cand[free]  # concurrent writers: one value lands, the rest probe on
-            won = self._slots[pos] == cand
+            before = self._slots.index_select(0, pos)
+            free = (before < 0).nonzero().squeeze(1)
+            # Concurrent writers to one slot: one value lands, the others see it and probe on.
+            self._slots.index_copy_(0, pos.index_select(0, free), cand.index_select(0, free))
+            won = self._slots.index_select(0, pos) == cand
             self._tombstones -= int((won & (before == _TOMBSTONE)).sum())
             keep = (~won).nonzero().squeeze(1)
-            cand = cand[keep]
-            pos = (pos[keep] + 1).bitwise_and_(self._slot_mask)
+            cand, stride = cand.index_select(0, keep), stride.index_select(0, keep)
+            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._slot_mask)
 
     def _ensure_slot_room(self, incoming: int) -> None:
         if self._size + self._tombstones + incoming > _MAX_SLOT_LOAD * self._num_slots:
@@ -754,37 +781,41 @@ class IdTable:
         """Mask of rows eviction may free: occupied and unpinned."""
         return (self._row_state == _OCCUPIED) & (self._pins == 0)
 
-    def _check_room(self, num_new: int, hit_rows: torch.Tensor) -> None:
-        """Raise TableFullError (before any change) unless eviction can make room for ``num_new`` ids."""
+    def _check_room(self, num_new: int, used: torch.Tensor | None) -> torch.Tensor:
+        """Raise TableFullError (before any change) unless eviction can make room for ``num_new`` ids.
+
+        Returns the mask (bool ``[capacity + 1]``) of rows used by the batch, for :meth:`_evict`.
+        """
         free = self._free_top
         base = (
             f"IdTable '{self._name}' (capacity {self._capacity}) is full: {num_new} new ids arrived with "
             f"{free} free rows"
         )
-        if self._eviction is None:
+        if self._eviction is None or used is None:
             raise TableFullError(
                 f"{base} and no eviction policy. Raise the capacity (num_embeddings of table '{self._name}') "
                 "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction)."
             )
-        mask = self._evictable()
-        if hit_rows.numel():
-            mask[hit_rows] = False
-        evictable = int(mask.sum())
+        in_use = torch.zeros(self._capacity + 1, dtype=torch.bool, device=self._device)
+        in_use.index_fill_(0, used, True)
+        evictable = int((self._evictable() & ~in_use[: self._capacity]).sum())
         if free + evictable < num_new:
             raise TableFullError(
                 f"{base}, and eviction can free only {evictable} rows (the others are pinned or used by this batch). "
                 f"Raise the capacity (num_embeddings of table '{self._name}'), use smaller batches, or pin fewer "
                 "batches."
             )
+        return in_use
 
     def _evict(self, count: int, in_use: torch.Tensor) -> torch.Tensor:
         """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``."""
-        mask = self._evictable()
-        if in_use.numel():
-            mask[in_use] = False
-        last = self._last_step.long()
-        key = (self._freq.long() << 31) | last if isinstance(self._eviction, LFUEviction) else last
-        key = torch.where(mask, key, torch.iinfo(torch.int64).max)
+        blocked = ~self._evictable()
+        blocked |= in_use[: self._capacity]
+        if isinstance(self._eviction, LFUEviction):
+            key = (self._freq.long() << 31).bitwise_or_(self._last_step)
+            key.masked_fill_(blocked, torch.iinfo(torch.int64).max)
+        else:
+            key = self._last_step.masked_fill(blocked, _INT32_MAX)
         kth = torch.kthvalue(key, count).values
         below = (key < kth).nonzero().squeeze(1)
         ties = (key == kth).nonzero().squeeze(1)[: count - below.numel()]

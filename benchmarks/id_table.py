@@ -1,0 +1,161 @@
+"""IdTable against a Python dict doing the same id -> row mapping.
+
+Batches of Zipf-distributed ranks (exponent ``--zipf`` over ``--vocab`` ranks) are scrambled over
+the whole int64 range (``recsdk.data.mix64``, a bijection) to look like raw feature ids. After
+``--warmup`` batches have been mapped by both (steady state: most ids of a new batch are already
+stored), the next ``--batches`` batches are timed with
+
+* ``IdTable.find_or_insert`` against ``[d.setdefault(x, len(d)) for x in ids.tolist()]`` turned
+  into a rows tensor, and
+* ``IdTable.find`` against ``[d.get(x, -1) for x in ids.tolist()]`` turned into a rows tensor,
+
+both in this process, interleaved batch by batch. Prints one JSON line per measurement with ids/s
+and the ratio to the dict, then one line with the table's bytes per id (all metadata included,
+beyond the embedding rows). ``--threads`` defaults to 1, the dict's share of the machine.
+
+    python benchmarks/id_table.py                           # 1M ids per batch, capacity 8M
+    python benchmarks/id_table.py --capacity 1000000 --batch-size 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from recsdk.data.hashing import mix64
+from recsdk.embedding import IdTable, LFUEviction, LRUEviction, TTLEviction
+
+T = TypeVar("T")
+EVICTIONS = {"none": None, "lru": LRUEviction(), "lfu": LFUEviction(), "ttl": TTLEviction(max_idle_steps=4)}
+
+
+class ZipfIds:
+    """Batches of raw int64 ids: Zipf-distributed ranks in ``[0, vocab)``, scrambled by ``mix64``."""
+
+    def __init__(self, vocab: int, exponent: float, seed: int) -> None:
+        weights = np.arange(1, vocab + 1, dtype=np.float64) ** -exponent
+        self.cdf = np.cumsum(weights)
+        self.cdf /= self.cdf[-1]
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, size: int) -> torch.Tensor:
+        ranks = np.searchsorted(self.cdf, self.rng.random(size), side="right")
+        return torch.from_numpy(mix64(ranks))
+
+
+def dict_find_or_insert(d: dict[int, int], ids: torch.Tensor) -> torch.Tensor:
+    setdefault = d.setdefault
+    return torch.tensor([setdefault(x, len(d)) for x in ids.tolist()], dtype=torch.int64)
+
+
+def dict_find(d: dict[int, int], ids: torch.Tensor) -> torch.Tensor:
+    get = d.get
+    return torch.tensor([get(x, -1) for x in ids.tolist()], dtype=torch.int64)
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity", type=int, default=8 << 20, help="table rows (default 8M)")
+    parser.add_argument("--batch-size", type=int, default=1 << 20, help="ids per batch (default 1M)")
+    parser.add_argument("--vocab", type=int, default=None, help="Zipf ranks (default: capacity)")
+    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
+    parser.add_argument("--warmup", type=int, default=4, help="batches mapped before timing (default 4)")
+    parser.add_argument("--batches", type=int, default=5, help="timed batches per operation (default 5)")
+    parser.add_argument("--eviction", choices=sorted(EVICTIONS), default="none", help="table eviction policy")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default")
+    parser.add_argument("--device", default="cpu", help="device of the id table (default cpu)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    vocab = args.vocab or args.capacity
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    ids = ZipfIds(vocab, args.zipf, args.seed)
+    table = IdTable(args.capacity, device=device, eviction=EVICTIONS[args.eviction], name="bench")
+    d: dict[int, int] = {}
+    for _ in range(args.warmup):
+        b = ids.batch(args.batch_size)
+        table.find_or_insert(b.to(device))
+        dict_find_or_insert(d, b)
+    sync()
+
+    common = {
+        "bench": "id_table",
+        "batch_size": args.batch_size,
+        "capacity": args.capacity,
+        "vocab": vocab,
+        "zipf": args.zipf,
+        "eviction": args.eviction,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    for op in ("find_or_insert", "find"):
+        t_table = t_dict = 0.0
+        new_ids = 0
+        for _ in range(args.batches):
+            b = ids.batch(args.batch_size)
+            if op == "find_or_insert":
+                before = len(d)
+                b_dev = b.to(device)
+                sync()
+                _, t = timed(table.find_or_insert, b_dev)
+                sync()
+                _, u = timed(dict_find_or_insert, d, b)
+                new_ids += len(d) - before
+            else:
+                b_dev = b.to(device)
+                sync()
+                rows, t = timed(table.find, b_dev)
+                sync()
+                expected, u = timed(dict_find, d, b)
+                if not torch.equal(rows.cpu() >= 0, expected >= 0):
+                    raise AssertionError("IdTable.find and the dict disagree on which ids are stored")
+            t_table += t
+            t_dict += u
+        n = args.batches * args.batch_size
+        line = dict(
+            common,
+            op=op,
+            ids_per_s=round(n / t_table),
+            baseline="python_dict",
+            baseline_ids_per_s=round(n / t_dict),
+            ratio=round(t_dict / t_table, 2),
+            table_size=len(table),
+        )
+        if op == "find_or_insert":
+            line["new_ids_per_batch"] = round(new_ids / args.batches)
+            if args.eviction == "none" and len(table) != len(d):
+                raise AssertionError(f"IdTable holds {len(table)} ids, the dict {len(d)}")
+        print(json.dumps(line), flush=True)
+
+    print(
+        json.dumps(
+            dict(
+                common,
+                op="memory",
+                bytes_per_id_at_capacity=round(table.memory_bytes / table.capacity, 2),
+                bytes_per_stored_id=round(table.memory_bytes / max(len(table), 1), 2),
+                table_size=len(table),
+                target_bytes_per_id=48,
+            )
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
