@@ -10,11 +10,13 @@ Layout (all torch tensors on the table's device, so every operation is whole-bat
   ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts), and a
   stack of free rows (int32).
 
-Slots are found by linear probing from ``fmix64(id) & (num_slots - 1)``, vectorised in rounds: each
-round reads the current slot of every unresolved id, and only the ids that neither matched nor hit
-an empty slot go on to the next round. New ids claim free slots round by round: every candidate
-writes its row into the slot it reached, reads it back, and the losers probe on. Removal leaves a
-tombstone; tombstones are reused by insertions and cleared by a rehash when they crowd the table.
+An id's probe sequence is ``home + k * stride (mod num_slots)`` (double hashing: ``home`` from the
+low bits of ``fmix64(id)``, an odd ``stride`` from its high bits). Lookups run in rounds over the
+whole batch: each round reads the current slot of every unresolved id, and only the ids that
+neither matched nor reached an empty slot go on to the next round. New ids claim free slots round
+by round: every candidate writes its row into the slot it reached, reads it back, and the losers
+probe on. Removal leaves a tombstone; insertions reuse tombstones, and a rehash clears them when
+occupied plus tombstone slots pass 80% of the slots.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ class IdTable:
             self._row_state,
             self._last_step_buf,
             self._freq_buf,
-            self._pins,
+            self._pins_buf,
             self._free,
         ]
         if self._sketch is not None:
@@ -322,7 +324,7 @@ class IdTable:
         return out
 
     def pin(self, rows: torch.Tensor) -> None:
-        """Protect rows from eviction and reassignment (reference-counted).
+        """Protect rows from eviction and reassignment (reference-counted, int32 counts).
 
         Each occurrence of a row adds one reference; ``-1`` entries (ids not admitted) are ignored,
         so the output of :meth:`find_or_insert` can be passed as is.
@@ -330,11 +332,7 @@ class IdTable:
         Args:
             rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
         """
-        uniq, counts = self._pin_counts(rows, "pin")
-        if uniq.numel():
-            if bool((self._pins[uniq] > _INT32_MAX - counts).any()):
-                raise ValueError(f"IdTable '{self._name}': pin count of a row would overflow int32")
-            self._pins.index_add_(0, uniq, counts.to(torch.int32))
+        self._add_pins(self._as_rows(rows, "pin", allow_missing=True), 1)
 
     def unpin(self, rows: torch.Tensor) -> None:
         """Drop references taken by :meth:`pin` (same rows, same multiplicity).
@@ -342,17 +340,16 @@ class IdTable:
         Raises:
             ValueError: a row would drop below zero references (the table is left unchanged).
         """
-        uniq, counts = self._pin_counts(rows, "unpin")
-        if uniq.numel():
-            have = self._pins[uniq]
-            bad = have < counts
-            if bool(bad.any()):
-                row = int(uniq[bad][0])
-                raise ValueError(
-                    f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
-                    f"(pinned {int(have[bad][0])}, unpinning {int(counts[bad][0])})"
-                )
-            self._pins.index_add_(0, uniq, -counts.to(torch.int32))
+        flat = self._as_rows(rows, "unpin", allow_missing=True)
+        idx = self._add_pins(flat, -1)
+        below = (self._pins_buf.index_select(0, idx) < 0).nonzero().squeeze(1)
+        if below.numel():
+            row = int(flat[below[0]])
+            self._add_pins(flat, 1)
+            raise ValueError(
+                f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
+                f"(pinned {int(self._pins[row])} times)"
+            )
 
     def num_pinned(self) -> int:
         """Number of rows with at least one pin."""
@@ -613,7 +610,8 @@ class IdTable:
         self._freq_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
         self._last_step = self._last_step_buf[:cap]
         self._freq = self._freq_buf[:cap]
-        self._pins = torch.zeros(cap, dtype=torch.int32, device=dev)
+        self._pins_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
+        self._pins = self._pins_buf[:cap]
         self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int32, device=dev)  # pops 0, 1, 2, ...
         self._free_top = cap
         self._size = 0
@@ -657,10 +655,12 @@ class IdTable:
             )
         return flat
 
-    def _pin_counts(self, rows: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = self._as_rows(rows, op, allow_missing=True)
-        flat = flat[flat >= 0]
-        return torch.unique(flat, return_counts=True)
+    def _add_pins(self, rows: torch.Tensor, delta: int) -> torch.Tensor:
+        """Add ``delta`` to the pin count of each occurrence of ``rows`` (``-1`` entries go to the spare entry)."""
+        idx = rows.masked_fill(rows < 0, self._capacity)
+        self._pins_buf.index_add_(0, idx, torch.full_like(idx, delta, dtype=torch.int32))
+        self._pins_buf[self._capacity] = 0
+        return idx
 
     def _stride(self, hashes: torch.Tensor) -> torch.Tensor:
         """Probe stride from the high 32 bits of the hash: odd, so a probe visits every slot."""
