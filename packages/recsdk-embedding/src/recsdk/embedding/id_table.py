@@ -101,8 +101,8 @@ class IdTable:
     Example::
 
         table = IdTable(1 << 20, eviction=LRUEviction(), name="user")
-        rows = table.find_or_insert(torch.tensor([7, -3, 7, 2**63 - 1]))  # tensor([0, 1, 0, 2])
-        table.find(torch.tensor([7, 8]))  # tensor([0, -1])
+        rows = table.find_or_insert(torch.tensor([7, -3, 7, 2**63 - 1]))  # tensor([1, 0, 1, 2])
+        table.find(torch.tensor([7, 8]))  # tensor([1, -1])
     """
 
     def __init__(
