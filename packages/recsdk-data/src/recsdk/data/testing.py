@@ -28,6 +28,9 @@ class DistributedTestError(RuntimeError):
     """Raised by :func:`run_distributed` when a rank fails or the ranks time out."""
 
 
+_PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu"]
+
+
 def free_port() -> int:
     """A free TCP port on localhost (bound once, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -77,7 +80,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
-    start_method: str = "fork",
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes over gloo.
 
@@ -91,7 +94,10 @@ def run_distributed(
         world_size (int): number of ranks (>= 1).
         *args: extra arguments passed to every rank.
         timeout_s (float): process-group timeout and overall deadline, in seconds.
-        start_method (str): ``"fork"`` (fast, default) or ``"spawn"``.
+        start_method (str): ``"forkserver"`` (default: ranks fork from a clean server that
+            has torch and torchrec imported, so they start fast and never inherit the
+            caller's thread pools), ``"spawn"``, or ``"fork"`` (only safe while the caller
+            has not run torch ops: forking after OpenMP work can hang the child).
 
     Returns:
         list: the return values of ``fn``, indexed by rank.
@@ -112,6 +118,8 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx: Any = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,3 +1,40 @@
-"""recsdk-sharding."""
+"""recsdk-sharding: hybrid sharders, id ownership and planner glue.
 
-__all__: list[str] = []
+The host does the id work (bucketing by :func:`owner`, the id all-to-alls over a gloo group,
+id-to-row mapping in each shard's id table); the device does the lookups with TorchRec's
+fused kernels and the pooled output dist over the default group.
+"""
+
+from recsdk.sharding.input_dist import OwnerSparseFeaturesDist, bucketize_by_owner
+from recsdk.sharding.owner import OWNER_SALT, owner
+from recsdk.sharding.planner import ID_TABLE_BYTES_PER_ROW, HybridEmbeddingEnumerator, IdTableStorageEstimator
+from recsdk.sharding.sharded_hash_embedding_bag import (
+    HashEmbeddingBagCollectionContext,
+    HostRwPooledEmbeddingSharding,
+    HostTwPooledEmbeddingSharding,
+    ShardedHashEmbeddingBagCollection,
+)
+from recsdk.sharding.sharders import (
+    HashEmbeddingBagCollectionSharder,
+    HybridEmbeddingBagCollectionSharder,
+    get_default_hybrid_sharders,
+    validate_host_env,
+)
+
+__all__ = [
+    "ID_TABLE_BYTES_PER_ROW",
+    "OWNER_SALT",
+    "HashEmbeddingBagCollectionContext",
+    "HashEmbeddingBagCollectionSharder",
+    "HostRwPooledEmbeddingSharding",
+    "HostTwPooledEmbeddingSharding",
+    "HybridEmbeddingBagCollectionSharder",
+    "HybridEmbeddingEnumerator",
+    "IdTableStorageEstimator",
+    "OwnerSparseFeaturesDist",
+    "ShardedHashEmbeddingBagCollection",
+    "bucketize_by_owner",
+    "get_default_hybrid_sharders",
+    "owner",
+    "validate_host_env",
+]

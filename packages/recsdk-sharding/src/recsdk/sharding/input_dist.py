@@ -1,0 +1,82 @@
+"""Host-side input dists: bucket raw ids by owner and exchange them over the host group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.sharding.owner import owner
+
+__all__ = ["OwnerSparseFeaturesDist", "bucketize_by_owner"]
+
+
+def bucketize_by_owner(kjt: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTensor:
+    """Reorder a KJT's ids into one bucket per owner rank, ready for ``KJTAllToAll``.
+
+    Keeps TorchRec's row-wise layout: keys repeated ``world_size`` times, lengths ordered
+    ``[bucket][feature][sample]``, the original id order within each bag. Values stay raw ids
+    (the owner maps them to rows after the exchange).
+
+    Args:
+        kjt (KeyedJaggedTensor): F features, stride B, raw int64 ids (optional weights).
+        world_size (int): number of buckets.
+
+    Returns:
+        KeyedJaggedTensor: ``F * world_size`` keys, lengths of size ``world_size * F * B``.
+    """
+    lengths = kjt.lengths().view(-1)
+    values = kjt.values()
+    weights = kjt.weights_or_none()
+    num_features = len(kjt.keys())
+    owners = owner(values, world_size)
+    # owner ids are < world_size, so with block size 1 fbgemm's bucket is exactly the owner;
+    # its permutation then reorders the raw ids (and weights) stably, in O(n).
+    bucket_lengths, _, _, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths,
+        owners,
+        False,
+        True,
+        torch.ones(num_features, dtype=owners.dtype, device=owners.device),
+        world_size,
+        None,
+    )
+    new_values = torch.empty_like(values)
+    new_values[permute] = values
+    new_weights = None
+    if weights is not None:
+        new_weights = torch.empty_like(weights)
+        new_weights[permute] = weights
+    return KeyedJaggedTensor(
+        keys=kjt.keys() * world_size,
+        values=new_values,
+        weights=new_weights,
+        lengths=bucket_lengths.view(-1),
+        stride=kjt.stride(),
+    )
+
+
+class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
+    """Row-wise input dist for raw ids: bucket by :func:`owner`, then ``KJTAllToAll``.
+
+    The all-to-alls run over ``host_pg`` (a gloo group), on CPU tensors; an input on an
+    accelerator is first copied to the host.
+
+    Args:
+        host_pg (dist.ProcessGroup): the host (gloo) process group.
+        num_features (int): number of features in the input KJT.
+    """
+
+    def __init__(self, host_pg: dist.ProcessGroup, num_features: int) -> None:
+        super().__init__()
+        self._world_size: int = host_pg.size()
+        # TorchRec's pipeline looks for an attribute named `_dist` of type KJTAllToAll.
+        self._dist = KJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size)
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        if sparse_features.values().device.type != "cpu":
+            sparse_features = sparse_features.to(torch.device("cpu"))
+        return self._dist(bucketize_by_owner(sparse_features, self._world_size))

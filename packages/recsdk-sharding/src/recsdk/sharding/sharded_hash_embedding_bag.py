@@ -1,0 +1,412 @@
+"""``ShardedHashEmbeddingBagCollection``: a HashEBC sharded row-wise or table-wise.
+
+The host does the id work: raw ids are bucketed by :func:`~recsdk.sharding.owner` (row-wise)
+or sent to the table's rank (table-wise), exchanged over the host (gloo) group, and mapped to
+local rows by the owning shard's :class:`~recsdk.embedding.IdTable` in
+:meth:`ShardedHashEmbeddingBagCollection.post_input_dist`. The device then looks the rows up
+with TorchRec's fused kernel and returns pooled results through TorchRec's output dists.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding, TwSparseFeaturesDist
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, init_rows_
+from recsdk.sharding.input_dist import OwnerSparseFeaturesDist
+
+__all__ = [
+    "HashEmbeddingBagCollectionContext",
+    "HostRwPooledEmbeddingSharding",
+    "HostTwPooledEmbeddingSharding",
+    "ShardedHashEmbeddingBagCollection",
+]
+
+SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+
+
+@dataclass
+class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
+    """EBC context plus what the host stage did for this batch.
+
+    Attributes:
+        ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
+        pinned_rows (dict[str, torch.Tensor]): per table, rows pinned for this batch.
+    """
+
+    ids_mapped: bool = False
+    pinned_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class HostRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """Row-wise sharding whose input dist buckets raw ids by owner over the host group.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``RwPooledEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        *,
+        host_pg: dist.ProcessGroup,
+    ) -> None:
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+        self._host_pg = host_pg
+
+    def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
+        return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
+
+
+class HostTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
+    """Table-wise sharding whose id all-to-all runs over the host group.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``TwPooledEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        *,
+        host_pg: dist.ProcessGroup,
+    ) -> None:
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+        self._host_pg = host_pg
+
+    def create_input_dist(self, device: torch.device | None = None) -> TwSparseFeaturesDist:
+        return _HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
+
+
+class _HostTwSparseFeaturesDist(TwSparseFeaturesDist):
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Any:
+        if sparse_features.values().device.type != "cpu":
+            sparse_features = sparse_features.to(torch.device("cpu"))
+        return self._dist(sparse_features)
+
+
+class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """A :class:`~recsdk.embedding.HashEmbeddingBagCollection` sharded for hybrid training.
+
+    Built by :class:`~recsdk.sharding.HashEmbeddingBagCollectionSharder`; users get it from
+    ``DistributedModelParallel``. Each rank holds one :class:`~recsdk.embedding.IdTable` per
+    table shard it owns, with capacity equal to the shard's rows (row-wise: the capacity is
+    split across ranks) and the table's admission and eviction policies.
+
+    In ``train()`` mode the owner inserts new ids (subject to admission) and evicts per the
+    table's policy; reused rows get a freshly initialised embedding and zeroed optimizer state
+    before the batch that reuses them is looked up. Rows of batches in flight are pinned and
+    never evicted. In ``eval()`` mode ids are only looked up: unknown ids pool as zeros and no
+    table changes.
+
+    Args:
+        module (HashEmbeddingBagCollection): the unsharded module (usually on ``meta``).
+        table_name_to_parameter_sharding (dict[str, ParameterSharding]): the plan for it.
+        env (ShardingEnv): the device sharding env (default group).
+        host_env (ShardingEnv): the host env; its group must be gloo.
+        fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
+            ``ShardedEmbeddingBagCollection``.
+    """
+
+    def __init__(
+        self,
+        module: HashEmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, Any],
+        env: ShardingEnv,
+        host_env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        for name, ps in table_name_to_parameter_sharding.items():
+            if ps.sharding_type not in SUPPORTED_SHARDING_TYPES:
+                raise ValueError(
+                    f"table {name!r}: sharding type {ps.sharding_type!r} is not supported for "
+                    f"HashEmbeddingBagCollection; supported: {list(SUPPORTED_SHARDING_TYPES)}"
+                )
+        # Set before super().__init__: the base constructor calls create_embedding_bag_sharding.
+        self._host_pg = host_env.process_group
+        super().__init__(
+            module=module,
+            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
+            env=env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+        self._host_env = host_env
+        self._lock = threading.Lock()
+        self._pending_reinit: dict[str, list[torch.Tensor]] = {}
+        self._computing_pins: dict[str, torch.Tensor] = {}
+        self._hash_configs: dict[str, HashEmbeddingBagConfig] = {
+            c.name: c for c in self._embedding_bag_configs if isinstance(c, HashEmbeddingBagConfig)
+        }
+        self._feature_to_table: dict[str, str] = {
+            f: c.name for c in self._embedding_bag_configs for f in c.feature_names
+        }
+        self._id_tables: dict[str, IdTable] = {}
+        for sharding in self._embedding_shardings:
+            for grouped in sharding._grouped_embedding_configs:  # this rank's shards
+                for table in grouped.embedding_tables:
+                    cfg = self._table_name_to_config[table.name]
+                    hash_cfg = self._hash_configs.get(table.name)
+                    self._id_tables[table.name] = IdTable(
+                        table.local_rows,
+                        device="cpu",
+                        admission=hash_cfg.admission if hash_cfg else None,
+                        eviction=hash_cfg.eviction if hash_cfg else None,
+                        name=f"{cfg.name}@rank{env.rank}",
+                    )
+        self._tbe_slices: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+        if self._device is None or self._device.type != "meta":
+            self._init_local_rows()
+
+    def _init_local_rows(self) -> None:
+        """Initialise every local row with the table's ``init_fn``, as the unsharded module does.
+
+        TorchRec's fused kernel initialises uniformly from ``weight_init_min/max`` and ignores
+        ``init_fn``; a hash table assigns rows to ids as they arrive, so every row must start
+        as ``init_fn`` makes it.
+        """
+        slices = self._table_slices()
+        with torch.no_grad():
+            for name in self._id_tables:
+                weight, _ = slices[name]
+                rows = torch.arange(weight.shape[0], device=weight.device)
+                init_rows_(weight, rows, self._table_name_to_config[name])
+
+    # ---- construction hooks -------------------------------------------------------------
+
+    def create_embedding_bag_sharding(  # type: ignore[override]
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+    ) -> EmbeddingSharding:
+        sharding_type = sharding_infos[0].param_sharding.sharding_type
+        if device is not None and device.type == "meta":
+            replace_placement_with_meta_device(sharding_infos)
+        if sharding_type == ShardingType.ROW_WISE.value:
+            return HostRwPooledEmbeddingSharding(
+                sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=self._host_pg
+            )
+        if sharding_type == ShardingType.TABLE_WISE.value:
+            return HostTwPooledEmbeddingSharding(
+                sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=self._host_pg
+            )
+        raise ValueError(
+            f"sharding type {sharding_type!r} is not supported for HashEmbeddingBagCollection; "
+            f"supported: {list(SUPPORTED_SHARDING_TYPES)}"
+        )
+
+    def create_context(self) -> HashEmbeddingBagCollectionContext:
+        return HashEmbeddingBagCollectionContext()
+
+    @property
+    def unsharded_module_type(self) -> type[HashEmbeddingBagCollection]:  # type: ignore[override]
+        return HashEmbeddingBagCollection
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def id_tables(self) -> dict[str, IdTable]:
+        """This rank's id table per table shard it holds (table name -> IdTable)."""
+        return self._id_tables
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per table statistics of this rank's shards (see ``IdTable.stats``)."""
+        return {name: table.stats() for name, table in self._id_tables.items()}
+
+    # ---- the host stage -----------------------------------------------------------------
+
+    def post_input_dist(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> KJTList:
+        """Map the received raw ids to local rows (find-or-insert in train, find in eval).
+
+        Idempotent per context: the pipeline may run it ahead of time on a host thread, and
+        ``compute_and_output_dist`` then skips it. Ids that are not (yet) admitted, or unknown
+        in eval, are dropped from their bags, so they pool as zeros (MEAN pooling still
+        divides by the original bag length).
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): this batch's context.
+            dist_input (KJTList): one KJT of raw ids per sharding type, as received.
+
+        Returns:
+            KJTList: the same layout with row indices, on the lookup device.
+        """
+        if isinstance(ctx, HashEmbeddingBagCollectionContext) and ctx.ids_mapped:
+            return dist_input
+        training = self.training
+        mapped: list[KeyedJaggedTensor] = []
+        pinned: dict[str, list[torch.Tensor]] = {}
+        error: BaseException | None = None
+        try:
+            for kjt in dist_input:
+                mapped.append(self._map_kjt(kjt, training, pinned))
+        except Exception as e:  # shared with the other ranks below, then re-raised
+            error = e
+            with self._lock:
+                for name, rows in pinned.items():
+                    for chunk in rows:
+                        self._id_tables[name].unpin(chunk)
+        self._agree_on_failure(error)
+        if isinstance(ctx, HashEmbeddingBagCollectionContext):
+            ctx.ids_mapped = True
+            ctx.pinned_rows = {name: torch.cat(rows) for name, rows in pinned.items()}
+        if self._device is not None and self._device.type != "cpu":
+            mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
+        return KJTList(mapped)
+
+    def _agree_on_failure(self, error: BaseException | None) -> None:
+        """Make a host-stage failure on any rank fail every rank, instead of hanging the others.
+
+        One tiny all-reduce over the host group per batch; only on failure the ranks exchange
+        their messages. The failing rank re-raises its own exception.
+        """
+        pg = self._host_pg
+        if pg is None or dist.get_world_size(pg) == 1:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        if int(flag) == 0:
+            return
+        messages: list[str | None] = [None] * dist.get_world_size(pg)
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(messages, mine, group=pg)
+        if error is not None:
+            raise error
+        failed = {r: m for r, m in enumerate(messages) if m is not None}
+        raise RuntimeError(
+            f"the host id stage failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+        )
+
+    def _map_kjt(
+        self, kjt: KeyedJaggedTensor, training: bool, pinned: dict[str, list[torch.Tensor]]
+    ) -> KeyedJaggedTensor:
+        keys = kjt.keys()
+        values = kjt.values()
+        if values.numel() == 0:
+            return kjt
+        if values.dtype.is_floating_point:
+            raise TypeError(f"feature ids must be integers, got dtype {values.dtype} for features {keys}")
+        length_per_key = kjt.length_per_key()
+        starts = [0]
+        for n in length_per_key:
+            starts.append(starts[-1] + n)
+        segments: dict[str, list[tuple[int, int]]] = {}
+        for i, key in enumerate(keys):
+            if length_per_key[i] > 0:
+                segments.setdefault(self._feature_to_table[key], []).append((starts[i], starts[i + 1]))
+        rows = torch.empty(values.numel(), dtype=torch.int64)
+        with self._lock:
+            for name, segs in segments.items():
+                table = self._id_tables[name]
+                ids = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
+                if training:
+                    table_rows = table.find_or_insert(ids)
+                    reused = table.take_reassigned_rows()
+                    if reused.numel() > 0:
+                        self._pending_reinit.setdefault(name, []).append(reused)
+                    admitted = table_rows[table_rows >= 0]
+                    if admitted.numel() > 0:
+                        table.pin(admitted)
+                        pinned.setdefault(name, []).append(admitted)
+                else:
+                    table_rows = table.find(ids)
+                offset = 0
+                for a, b in segs:
+                    rows[a:b] = table_rows[offset : offset + (b - a)]
+                    offset += b - a
+        lengths = kjt.lengths()
+        weights = kjt.weights_or_none()
+        keep = rows >= 0
+        if not bool(keep.all()):
+            bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
+            lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
+            rows = rows[keep]
+            weights = weights[keep] if weights is not None else None
+        return KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
+
+    # ---- the device stage ---------------------------------------------------------------
+
+    def compute_and_output_dist(  # type: ignore[override]
+        self, ctx: EmbeddingBagCollectionContext, input: KJTList
+    ) -> LazyAwaitable[KeyedTensor]:
+        # The previous batch's backward has run by now: its rows may be evicted again. Release
+        # them before mapping this batch (a plain loop maps here; a pipeline mapped earlier,
+        # while the previous batch was still in flight and its rows pinned).
+        with self._lock:
+            for name, rows in self._computing_pins.items():
+                self._id_tables[name].unpin(rows)
+            self._computing_pins = {}
+        kjts = self.post_input_dist(ctx, input)
+        self._apply_pending_reinit()
+        if isinstance(ctx, HashEmbeddingBagCollectionContext):
+            with self._lock:
+                self._computing_pins = ctx.pinned_rows
+        return super().compute_and_output_dist(ctx, kjts)
+
+    def _apply_pending_reinit(self) -> None:
+        with self._lock:
+            pending, self._pending_reinit = self._pending_reinit, {}
+        if not pending:
+            return
+        slices = self._table_slices()
+        with torch.no_grad():
+            for name, chunks in pending.items():
+                rows = torch.unique(torch.cat(chunks))
+                weight, states = slices[name]
+                init_rows_(weight, rows.to(weight.device), self._table_name_to_config[name])
+                for state in states:
+                    state[rows.to(state.device)] = 0
+
+    def _table_slices(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Per table: the fused kernel's weight view and optimizer state views of this shard."""
+        if self._tbe_slices is None:
+            slices: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+            for lookup in self._lookups:
+                for module in lookup.modules():
+                    if not isinstance(module, BatchedFusedEmbeddingBag):
+                        continue
+                    tbe = module.emb_module
+                    names = [t.name for t in module.config.embedding_tables]
+                    weights = tbe.split_embedding_weights()
+                    states = tbe.split_optimizer_states()
+                    for i, name in enumerate(names):
+                        table_states = list(states[i]) if i < len(states) else []
+                        slices[name] = (weights[i], table_states)
+            self._tbe_slices = slices
+        return self._tbe_slices

@@ -1,0 +1,158 @@
+"""Hybrid sharders: what ``DistributedModelParallel`` and the planner use for recsdk modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
+
+from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.sharding.sharded_hash_embedding_bag import SUPPORTED_SHARDING_TYPES, ShardedHashEmbeddingBagCollection
+
+__all__ = [
+    "HashEmbeddingBagCollectionSharder",
+    "HybridEmbeddingBagCollectionSharder",
+    "get_default_hybrid_sharders",
+    "validate_host_env",
+]
+
+
+def validate_host_env(host_env: ShardingEnv) -> None:
+    """Check that ``host_env`` is a :class:`ShardingEnv` over a gloo process group.
+
+    Raises:
+        TypeError: ``host_env`` is not a ``ShardingEnv``.
+        ValueError: its group is missing or its backend is not gloo.
+    """
+    if not isinstance(host_env, ShardingEnv):
+        raise TypeError(f"host_env must be a torchrec ShardingEnv, got {type(host_env).__name__}")
+    pg = host_env.process_group
+    if pg is None:
+        raise ValueError(
+            "host_env has no process group: build it with "
+            "ShardingEnv(world_size, rank, pg=dist.new_group(backend='gloo'))"
+        )
+    backend = str(dist.get_backend(pg))
+    if backend != "gloo":
+        raise ValueError(
+            f"host_env.pg must be a gloo process group (the host id work runs on CPU tensors), "
+            f"got backend {backend!r}: use dist.new_group(backend='gloo')"
+        )
+
+
+class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards :class:`~recsdk.embedding.HashEmbeddingBagCollection` row-wise or table-wise.
+
+    The id work runs on the host over ``host_env``'s gloo group; lookups use TorchRec's fused
+    kernel (``compute_kernel="fused"``) on every device type, CPU included.
+
+    Args:
+        host_env (ShardingEnv): the host env (gloo group).
+        fused_params (dict | None): fused kernel parameters, as TorchRec's sharders take.
+        qcomm_codecs_registry (dict | None): as TorchRec's sharders take.
+    """
+
+    def __init__(
+        self,
+        host_env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+    ) -> None:
+        validate_host_env(host_env)
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        self._host_env = host_env
+
+    @property
+    def host_env(self) -> ShardingEnv:
+        return self._host_env
+
+    def shard(  # type: ignore[override]
+        self,
+        module: HashEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedHashEmbeddingBagCollection:
+        return ShardedHashEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            host_env=self._host_env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(SUPPORTED_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    @property
+    def module_type(self) -> type[HashEmbeddingBagCollection]:  # type: ignore[override]
+        return HashEmbeddingBagCollection
+
+    @property
+    def sharded_module_type(self) -> type[ShardedHashEmbeddingBagCollection]:  # type: ignore[override]
+        return ShardedHashEmbeddingBagCollection
+
+
+class HybridEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's ``EmbeddingBagCollectionSharder`` that also offers row-wise on CPU and NPU.
+
+    TorchRec offers row-wise sharding only for CUDA; its row-wise sharding itself runs on any
+    device, so this sharder lists it everywhere.
+
+    Args:
+        fused_params (dict | None): fused kernel parameters.
+        qcomm_codecs_registry (dict | None): as TorchRec's sharders take.
+    """
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        if ShardingType.ROW_WISE.value not in types:
+            types.append(ShardingType.ROW_WISE.value)
+        return types
+
+    @property
+    def sharded_module_type(self) -> type[ShardedEmbeddingBagCollection]:
+        return ShardedEmbeddingBagCollection
+
+
+def get_default_hybrid_sharders(
+    host_env: ShardingEnv, fused_params: dict[str, Any] | None = None
+) -> list[ModuleSharder[torch.nn.Module]]:
+    """The sharders to pass to the planner and to ``DistributedModelParallel``.
+
+    One for :class:`~recsdk.embedding.HashEmbeddingBagCollection` (hybrid row-wise and
+    table-wise) and one for TorchRec's plain ``EmbeddingBagCollection`` (its own shardings,
+    plus row-wise on CPU). Pass the same list to both: a plan made with these sharders cannot
+    be executed with TorchRec's defaults.
+
+    Args:
+        host_env (ShardingEnv): env over a gloo group for the host id work, e.g.
+            ``ShardingEnv(world_size, rank, pg=dist.new_group(backend="gloo"))``.
+        fused_params (dict | None): fused kernel parameters for both sharders.
+
+    Returns:
+        list[ModuleSharder]: the sharders.
+
+    Example::
+
+        host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
+        sharders = get_default_hybrid_sharders(host_env=host_env)
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        model = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    """
+    validate_host_env(host_env)
+    return [
+        HashEmbeddingBagCollectionSharder(host_env, fused_params=fused_params),  # type: ignore[list-item]
+        HybridEmbeddingBagCollectionSharder(fused_params=fused_params),  # type: ignore[list-item]
+    ]

@@ -1,0 +1,96 @@
+"""Models and helpers shared by the recsdk-sharding tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import PoolingType
+
+from recsdk.data import Batch
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders
+
+
+def tables(
+    capacity: int = 4096,
+    dims: tuple[int, ...] = (8, 16),
+    pooling: PoolingType = PoolingType.SUM,
+    init_fn=None,
+    **policies,
+) -> list[HashEmbeddingBagConfig]:
+    return [
+        HashEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=capacity,
+            feature_names=[f"f{i}"],
+            pooling=pooling,
+            init_fn=init_fn,
+            **policies,
+        )
+        for i, dim in enumerate(dims)
+    ]
+
+
+class SparseNN(nn.Module):
+    """HashEBC -> concat with a dense projection -> logit; returns (loss, probabilities)."""
+
+    def __init__(
+        self,
+        table_configs: list[HashEmbeddingBagConfig],
+        num_dense: int,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        emb_dim = sum(c.embedding_dim for c in table_configs)
+        # Dense layers first: their initial values then do not depend on the EBC's device.
+        self.dense = nn.Linear(num_dense, 8)
+        self.over = nn.Linear(8 + emb_dim, 1)
+        self.ebc = HashEmbeddingBagCollection(tables=table_configs, device=torch.device(device))
+        self.features = [f for c in table_configs for f in c.feature_names]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        # By key, not by position: a sharded module may order its output keys differently.
+        pooled = self.ebc(batch.sparse_features).to_dict()
+        x = torch.cat([F.relu(self.dense(batch.dense_features)), *(pooled[f] for f in self.features)], dim=1)
+        logits = self.over(x).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / batch.labels.numel()
+        return loss, torch.sigmoid(logits.detach())
+
+
+def host_env() -> ShardingEnv:
+    pg = dist.new_group(backend="gloo")
+    return ShardingEnv(world_size=dist.get_world_size(), rank=dist.get_rank(), pg=pg)
+
+
+def shard(
+    model: nn.Module,
+    batch_size: int,
+    constraints: dict[str, ParameterConstraints] | None = None,
+) -> DistributedModelParallel:
+    """Steps 6 of the seed flow: hybrid sharders, planner, DMP (CPU, gloo)."""
+    world_size = dist.get_world_size()
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        constraints=constraints,
+        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints),
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Rank-based AUC (Mann-Whitney U), ties averaged."""
+    order = torch.argsort(scores)
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    pos = labels > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))

@@ -1,0 +1,128 @@
+"""Table-full, eviction and admission behave per shard as in the unsharded module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sharding_models import SparseNN, shard, tables
+from torchrec.distributed.planner import ParameterConstraints
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.data import Batch
+from recsdk.data.testing import DistributedTestError, run_distributed
+from recsdk.embedding import CountAdmission, LRUEviction
+from recsdk.sharding import ShardedHashEmbeddingBagCollection, owner
+
+ROW_WISE = {"t0": ParameterConstraints(sharding_types=["row_wise"])}
+
+
+def _batch(ids: torch.Tensor, seed: int) -> Batch:
+    """One id per sample for feature f0, feature f1 empty."""
+    g = torch.Generator().manual_seed(seed)
+    n = ids.numel()
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1"],
+        values=ids,
+        lengths=torch.cat([torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)]),
+    )
+    return Batch(torch.randn(n, 4, generator=g), kjt, torch.randint(0, 2, (n,), generator=g).float())
+
+
+def _ids_owned_by(rank: int, world_size: int, count: int, start: int) -> torch.Tensor:
+    candidates = torch.arange(start, start + 50 * count, dtype=torch.int64) * 7919
+    return candidates[owner(candidates, world_size) == rank][:count]
+
+
+def _sharded(rank: int, capacity: int, **policies) -> tuple[torch.nn.Module, ShardedHashEmbeddingBagCollection]:
+    torch.manual_seed(0)
+    model = SparseNN(tables(capacity=capacity, dims=(8, 8), **policies), num_dense=4, device="meta")
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.01, "eps": 0.1})
+    ddp_model = shard(model, batch_size=16, constraints=ROW_WISE)
+    sebc = next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+    return ddp_model, sebc
+
+
+def _step(model: torch.nn.Module, batch: Batch) -> float:
+    loss, _ = model(batch)
+    loss.backward()
+    return float(loss)
+
+
+def _lru_eviction(rank: int, world_size: int) -> dict:
+    capacity = 64  # 32 rows per rank
+    model, sebc = _sharded(rank, capacity, eviction=LRUEviction())
+    table = sebc.id_tables["t0"]
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):  # 16 fresh-ish ids per rank per step from a range much larger than the table
+        _step(model, _batch(torch.randint(0, 2000, (16,), generator=g) * 1_000_003, seed=step))
+    evictions_before = table.stats()["evictions"]
+
+    # Poison every local row and its optimizer state, then send exactly `local capacity` new ids
+    # to each owner: every row must be reassigned, re-initialised and get fresh optimizer state.
+    weight, states = sebc._table_slices()["t0"]
+    with torch.no_grad():
+        weight.fill_(123.0)
+        for s in states:
+            s.fill_(1e6)
+    new_ids = _ids_owned_by(rank, world_size, table.capacity, start=10_000_000)
+    loss = _step(model, _batch(new_ids, seed=99))
+    ids, _ = table.ids_and_rows()
+    return {
+        "local_capacity": table.capacity,
+        "stored": len(table),
+        "evictions_before": evictions_before,
+        "all_new": set(ids.tolist()) == set(new_ids.tolist()),
+        "max_weight": float(weight.abs().max()),
+        "max_state": max(float(s.max()) for s in states),
+        "loss": loss,
+    }
+
+
+def test_lru_eviction_per_shard_reinitialises_rows_and_optimizer_state() -> None:
+    for r in run_distributed(_lru_eviction, 2, timeout_s=60):
+        assert r["local_capacity"] == 32
+        assert r["evictions_before"] > 0
+        assert r["stored"] == 32 and r["all_new"]
+        assert r["max_weight"] < 1.0, "a reused row kept its old embedding"
+        assert r["max_state"] < 1e3, "a reused row kept its old optimizer state"
+        assert r["loss"] < 10.0
+
+
+def _table_full(rank: int, world_size: int) -> None:
+    model, _ = _sharded(rank, capacity=16)  # 8 rows per rank, no eviction policy
+    for step in range(5):
+        # Every id is owned by rank 0: only rank 0's shard fills up.
+        ids = _ids_owned_by(0, world_size, 4, start=1000 * (2 * step + rank))
+        _step(model, _batch(ids, seed=step))
+
+
+def test_table_full_fails_every_rank_with_a_clear_error() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_table_full, 2, timeout_s=30)
+    text = str(info.value)
+    assert "2 of 2 ranks failed" in text
+    assert "TableFullError" in text and "t0" in text
+    assert "capacity" in text and "eviction" in text.lower()
+    # Rank 0 raises its own TableFullError; rank 1 is told which rank failed and why.
+    assert text.count("TableFullError") >= 2
+    assert "the host id stage failed on rank(s) [0]" in text
+
+
+def _admission(rank: int, world_size: int) -> dict:
+    model, sebc = _sharded(rank, capacity=256, admission=CountAdmission(threshold=2))
+    table = sebc.id_tables["t0"]
+    ids = torch.arange(16, dtype=torch.int64) * 1_000_003 + rank * 100
+    _step(model, _batch(ids, seed=0))
+    after_first = len(table)
+    _step(model, _batch(ids, seed=1))
+    all_ids = torch.cat([torch.arange(16, dtype=torch.int64) * 1_000_003 + r * 100 for r in range(world_size)])
+    mine = int((owner(all_ids, world_size) == rank).sum())
+    return {"after_first": after_first, "after_second": len(table), "owned": mine, "stats": table.stats()}
+
+
+def test_count_admission_per_shard() -> None:
+    for r in run_distributed(_admission, 2, timeout_s=60):
+        assert r["after_first"] == 0
+        assert r["after_second"] == r["owned"] > 0
+        assert r["stats"]["admission_rejects"] >= r["owned"]
