@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any, Generic, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In, Out]):
+class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Train (and eval) pipeline that overlaps the host id work with device compute.
 
     A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
@@ -183,7 +183,8 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
         self._train_steps = 0
         self._host_modules: list[ShardedModule] = []
         self._inline_modules: list[ShardedModule] = []
-        self._host_pgs: list[dist.ProcessGroup] = []
+        self._control_pgs: list[dist.ProcessGroup] = []
+        self._control_pgs_ready = False
         self._names: dict[int, str] = {}
         self._pending: list[Future[_HostResult]] = []
         self._output_checked = False
@@ -270,7 +271,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
         """Stop the host thread. The pipeline cannot be used afterwards."""
         self._worker.close()
 
-    def __enter__(self) -> HybridTrainPipelineSparseDist[In, Out]:
+    def __enter__(self) -> HybridTrainPipelineSparseDist:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -321,8 +322,8 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
         if dataloader_iter is not lane.iterator:
             lane.iterator = dataloader_iter
             lane.exhausted = False
-        while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
-            batch = next(dataloader_iter, None)
+        while len(lane.steps) < 1 + self._pipe_n_batch:
+            batch = None if lane.exhausted else next(dataloader_iter, None)
             if batch is None:
                 lane.exhausted = True
                 if not self._execute_all_batches:
@@ -354,7 +355,14 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
         requests = {n: context.input_dist_tensors_requests.pop(n) for n in host_names}
         done: Future[_HostResult] = Future()
         try:
-            done.set_result(self._post_input_dist(context.index, module_contexts, requests))
+            result: _HostResult = {}
+            error: BaseException | None = None
+            try:
+                result = self._map_ids(module_contexts, requests)
+            except BaseException as e:
+                error = e
+            self._agree(context.index, error)
+            done.set_result(result)
         except BaseException as e:
             done.set_exception(e)
         step.host_future = done if host_names else None
@@ -386,7 +394,8 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
             pg = getattr(env, "process_group", None)
             if isinstance(m, ShardedModule) and pg is not None and all(pg is not p for p in device_pgs):
                 device_pgs.append(pg)
-        self._host_modules, self._inline_modules, self._host_pgs = [], [], []
+        self._host_modules, self._inline_modules = [], []
+        host_pgs: list[Any] = []
         self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._pipelined_modules}
         for module in self._pipelined_modules:
             pgs = [
@@ -398,8 +407,8 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
             if pgs and all(pg is not p for pg in pgs for p in device_pgs):
                 self._host_modules.append(module)
                 for pg in pgs:
-                    if all(pg is not p for p in self._host_pgs):
-                        self._host_pgs.append(pg)
+                    if all(pg is not p for p in host_pgs):
+                        host_pgs.append(pg)
             else:
                 self._inline_modules.append(module)
                 if hasattr(module, "post_input_dist"):
@@ -408,6 +417,11 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
                         "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
                         self._name_of(module),
                     )
+        if not self._control_pgs_ready:
+            # Every rank bootstraps at its first progress(), so all create these groups together.
+            ranks = [dist.get_process_group_ranks(pg) for pg in host_pgs]
+            self._control_pgs = [dist.new_group(ranks=r, backend="gloo") for r in ranks if len(r) > 1]
+            self._control_pgs_ready = True
 
     def _start_inline(self, step: _Step) -> None:
         if step.inline_started:
@@ -478,54 +492,59 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out], Generic[In
         return future
 
     def _host_stage(self, batch: Any, index: int | None) -> _HostResult:
-        context = self._context_type(index=index, version=1)
-        with self._stream_context(self._data_dist_stream):
-            _wait_for_batch(batch, self._memcpy_stream)
-            _start_data_dist(self._host_modules, batch, context)
-            self._wait_splits(context)
-            return self._post_input_dist(index, context.module_contexts, context.input_dist_tensors_requests)
-
-    def _post_input_dist(
-        self, index: int | None, module_contexts: dict[str, Any], requests: dict[str, Any]
-    ) -> _HostResult:
-        """Receive the ids, map them (``post_input_dist``), and agree with the other ranks.
-
-        A failure before the ids arrived leaves this rank's collectives out of step, so it
-        is raised at once; the others then fail on their next host collective. A failure
-        in ``post_input_dist`` is announced to every rank by a flag all-reduce, so all
-        ranks stop at this batch.
-        """
-        received = {name: request.wait() for name, request in requests.items()}
+        """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement."""
         result: _HostResult = {}
         error: BaseException | None = None
         try:
-            for module in self._host_modules:
-                name = self._name_of(module)
-                module_context, kjts = module_contexts[name], received[name]
-                post_input_dist = getattr(module, "post_input_dist", None)
-                if callable(post_input_dist):
-                    kjts = post_input_dist(module_context, kjts)
-                result[name] = (module_context, kjts)
+            context = self._context_type(index=index, version=1)
+            with self._stream_context(self._data_dist_stream):
+                _wait_for_batch(batch, self._memcpy_stream)
+                _start_data_dist(self._host_modules, batch, context)
+                self._wait_splits(context)
+                result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
         except BaseException as e:
             error = e
-        failed = self._agree(error is not None)
+        self._agree(index, error)
+        return result
+
+    def _map_ids(self, module_contexts: dict[str, Any], requests: dict[str, Any]) -> _HostResult:
+        """Receive each module's ids and run its ``post_input_dist`` (if it has one)."""
+        result: _HostResult = {}
+        for module in self._host_modules:
+            name = self._name_of(module)
+            module_context, kjts = module_contexts[name], requests[name].wait()
+            post_input_dist = getattr(module, "post_input_dist", None)
+            if callable(post_input_dist):
+                kjts = post_input_dist(module_context, kjts)
+            result[name] = (module_context, kjts)
+        return result
+
+    def _agree(self, index: int | None, error: BaseException | None) -> None:
+        """Tell every rank whether this batch's host stage failed anywhere; raise if so.
+
+        One all-reduce of a flag per rank and batch, over the pipeline's own control group:
+        only this function issues collectives there, once per batch on every rank, whatever
+        happened before, so it cannot fall out of step with the other ranks. A rank whose
+        stage failed re-raises its own exception; the others raise :class:`HostStageError`.
+        """
+        failed: list[int] = []
+        try:
+            for pg in self._control_pgs:
+                flags = torch.zeros(pg.size(), dtype=torch.int32)
+                flags[pg.rank()] = int(error is not None)
+                dist.all_reduce(flags, group=pg)
+                failed += [r for r, f in enumerate(flags.tolist()) if f and r not in failed]
+        except BaseException:
+            if error is not None:
+                raise error from None
+            raise
         if error is not None:
             raise error
         if failed:
             raise HostStageError(
-                f"the host stage of batch {index} failed on rank(s) {failed} (their progress() raises the error)"
+                f"the host stage of batch {index} failed on rank(s) {failed} of the host group; "
+                "their progress() raises the error"
             )
-        return result
-
-    def _agree(self, failed_here: bool) -> list[int]:
-        """Ranks (of the host group) whose host stage failed for this batch."""
-        failed: list[int] = []
-        for pg in self._host_pgs:
-            flags = torch.zeros(pg.size(), dtype=torch.int32)
-            flags[pg.rank()] = int(failed_here)
-            dist.all_reduce(flags, group=pg)
-            failed = [r for r, f in enumerate(flags.tolist()) if f]
-        return failed
 
     def _name_of(self, module: ShardedModule) -> str:
         return self._names.get(id(module), type(module).__name__)
