@@ -83,7 +83,9 @@ class IdTable:
     ``0``, negative values, ``INT64_MIN`` and ``INT64_MAX``; int32 ids are sign-extended.
 
     One :meth:`find_or_insert` call is one step: it advances the step clock used by LRU and TTL,
-    and counts each distinct id once for admission and LFU frequency.
+    and counts each distinct id once for admission and LFU frequency. Steps are stored per row as
+    int32, so a table serves up to ``2**31 - 1`` steps. The table is not thread-safe: callers that
+    share one across threads serialise the calls.
 
     Args:
         capacity (int): number of rows (the embedding table's ``num_embeddings``).
