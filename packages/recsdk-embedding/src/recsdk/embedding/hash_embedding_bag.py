@@ -133,7 +133,7 @@ class HashEmbeddingBagCollection(EmbeddingBagCollection):
             raise ValueError(
                 f"HashEmbeddingBagCollection.load_id_table_state_dict: tables missing {missing}, unexpected {extra}"
             )
-        for name, table in self._id_tables.items():
+        for name, table in list(self._id_tables.items()):
             if table.device.type == "meta":
                 cfg = self._config(name)
                 table = self._id_tables[name] = self._new_id_table(cfg, self._real_device())
