@@ -222,6 +222,21 @@ def test_bad_lines_can_be_skipped_and_counted(tmp_path: Path) -> None:
     assert counts == [sum(1 for k in bad if (k - 1) % 2 == r) for r in range(2)]
 
 
+def test_whole_parser_blocks_of_bad_lines(tmp_path: Path) -> None:
+    # Bad lines first (the parser's first block), then a run longer than a block between good rows.
+    bad = {i: "x" for i in range(1, 201)} | {i: "1\t2" for i in range(260, 560)}
+    path = _numbered(tmp_path / "runs.tsv", 600, bad)
+    ds = CriteoDataset(path, batch_size=16, on_bad_line="skip", block_size=1024)
+    assert _line_numbers(list(ds)) == list(range(201, 260)) + list(range(560, 601))
+    assert ds.bad_lines == 500
+    for rank in range(2):
+        ds = CriteoDataset(path, batch_size=16, on_bad_line="skip", block_size=1024, rank=rank, world_size=2)
+        assert _line_numbers(list(ds)) == [i for i in range(1, 601) if i not in bad and (i - 1) % 2 == rank]
+        assert ds.bad_lines == 250
+    with pytest.raises(ValueError, match=r"runs\.tsv:1: bad Criteo line \(1 fields, expected 40\)"):
+        list(CriteoDataset(path, batch_size=16, block_size=1024))
+
+
 def test_reading_streams_before_reaching_the_end(tmp_path: Path) -> None:
     path = _numbered(tmp_path / "late.tsv", 3000, {3000: "1\tbroken"})
     batches = iter(CriteoDataset(path, batch_size=100, block_size=8192))

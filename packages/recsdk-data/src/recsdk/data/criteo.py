@@ -260,8 +260,9 @@ class CriteoDataset(IterableDataset[Batch]):
     label and is bad too): with ``on_bad_line="error"`` the reader raises a
     ``ValueError`` naming the file and line; with ``"skip"`` it drops them and counts them
     in :attr:`bad_lines`. Each reader checks only its own shard's lines, so the counts of
-    all shards add up to the file's bad lines. :attr:`bad_lines` counts in the process
-    that iterates (a DataLoader worker's count stays in that worker).
+    all shards add up to the file's bad lines. :attr:`bad_lines` restarts at 0 with each
+    iteration and counts in the process that iterates (a DataLoader worker's count stays
+    in that worker).
 
     **Shuffling.** ``shuffle_buffer > 0`` keeps that many rows in a buffer and fills each
     batch with rows drawn at random from it, seeded by ``(seed, epoch, shard)``; call
