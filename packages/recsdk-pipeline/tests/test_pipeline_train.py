@@ -21,21 +21,29 @@ class Probe:
 
     def __init__(self, module: Any) -> None:
         self.mapped_threads: list[str] = []
-        self.computed = 0
+        self.mapped: list[Any] = []
+        self.computed_contexts: list[Any] = []
+        self.released: list[Any] = []
         post_input_dist: Callable[..., Any] = module.post_input_dist
         compute: Callable[..., Any] = module.compute_and_output_dist
 
         def counting_post_input_dist(ctx: Any, kjts: Any) -> Any:
             if not ctx.ids_mapped:
                 self.mapped_threads.append(threading.current_thread().name)
+                self.mapped.append(ctx)
             return post_input_dist(ctx, kjts)
 
         def counting_compute(ctx: Any, kjts: Any) -> Any:
-            self.computed += 1
+            self.computed_contexts.append(ctx)
             return compute(ctx, kjts)
 
         module.post_input_dist = counting_post_input_dist
         module.compute_and_output_dist = counting_compute
+        module.release_context = self.released.append
+
+    @property
+    def computed(self) -> int:
+        return len(self.computed_contexts)
 
 
 def _drain(pipeline: HybridTrainPipelineSparseDist, batches: list, probe: Probe | None = None) -> tuple[list, list]:
@@ -88,6 +96,17 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
         # The first batch bootstraps on the calling thread; every later one is mapped on the host thread.
         assert probe.mapped_threads[0] == threading.main_thread().name, probe.mapped_threads
         assert set(probe.mapped_threads[1:]) == {HOST_THREAD}, probe.mapped_threads
+
+    # close() with batches in flight hands their contexts to the module's release_context.
+    model, optimizer = build()
+    probe = Probe(hash_ebc(model))
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    it = iter(batches)
+    for _ in range(3):
+        pipeline.progress(it)
+    pipeline.close()
+    assert [id(c) for c in probe.released] == [id(c) for c in probe.mapped[3:5]], "release the 2 batches read ahead"
+    assert not {id(c) for c in probe.released} & {id(c) for c in probe.computed_contexts}
 
     # End of data: 0 batches, 1 batch, fewer batches than pipe_n_batch.
     model, optimizer = build()

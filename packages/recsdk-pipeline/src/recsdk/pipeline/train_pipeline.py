@@ -268,7 +268,13 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return (output, loss) if self._return_loss else output
 
     def close(self) -> None:
-        """Stop the host thread. The pipeline cannot be used afterwards."""
+        """Drop the batches in flight and stop the host thread; the pipeline cannot be used afterwards.
+
+        Batches read but not computed are released (see :meth:`reset`).
+        """
+        if not self._worker.closed:
+            self._quiesce()
+            self._release_all()
         self._worker.close()
 
     def __enter__(self) -> HybridTrainPipelineSparseDist:
@@ -283,10 +289,14 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             worker.close(timeout=0)
 
     def reset(self) -> None:
-        """Drop the batches in flight (TorchRec's ``reset``); the model stays pipelined."""
+        """Drop the batches in flight (TorchRec's ``reset``); the model stays pipelined.
+
+        A host-staged module that defines ``release_context(ctx)`` gets it called for each
+        dropped batch's context, so that it can unpin the rows mapped for that batch.
+        """
         self._quiesce()
+        self._release_all()
         super().reset()
-        self._lanes = {True: _Lane(), False: _Lane()}
         self._active_mode = None
 
     def detach(self) -> torch.nn.Module:
@@ -305,6 +315,22 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     # ---- the calling thread -------------------------------------------------------------
 
+    def _release_all(self) -> None:
+        for lane in self._lanes.values():
+            for step in lane.steps:
+                self._release(step.host_future)
+        self._lanes = {True: _Lane(), False: _Lane()}
+
+    def _release(self, future: Future[_HostResult] | None) -> None:
+        """Let each module drop what it holds for a batch that will not be computed."""
+        if future is None or not future.done() or future.exception() is not None:
+            return
+        for module in self._host_modules:
+            release = getattr(module, "release_context", None)
+            entry = future.result().get(self._name_of(module))
+            if callable(release) and entry is not None:
+                release(entry[0])
+
     def _enter_mode(self, training: bool) -> _Lane:
         lane = self._lanes[training]
         if self._active_mode is not None and self._active_mode != training and not training:
@@ -312,6 +338,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 # Training changed the id tables since these eval batches were mapped.
                 for step in lane.steps:
                     if step.host_future is not None:
+                        self._release(step.host_future)
                         step.host_future = self._submit_host_stage(step)
         if not training:
             lane.train_steps_seen = self._train_steps
