@@ -122,14 +122,24 @@ def make_batches(
     return batches
 
 
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """This rank's weights (local shards), fused optimizer state and id tables, copied."""
+def _local(value: Any) -> Any:
+    if hasattr(value, "local_shards"):
+        return [s.tensor.detach().clone() for s in value.local_shards()]
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return None
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's weights (local shards), optimizer state (fused and dense) and id tables, copied."""
     out: dict[str, Any] = {}
     for key, value in model.state_dict().items():
-        if hasattr(value, "local_shards"):
-            out[key] = [s.tensor.detach().clone() for s in value.local_shards()]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()
+        if _local(value) is not None:
+            out[key] = _local(value)
+    for param, states in optimizer.state_dict()["state"].items():
+        for name, value in states.items():
+            if _local(value) is not None:
+                out[f"optimizer.{param}.{name}"] = _local(value)
     for name, table in hash_ebc(model).id_tables.items():
         ids, rows = table.ids_and_rows()
         order = torch.argsort(ids)

@@ -11,6 +11,7 @@ from recsdk.data.testing import run_distributed
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 
 CPU = torch.device("cpu")
+EVAL_CHANGED = "eval changed weights, optimizer state or id tables"
 UNKNOWN_IDS = torch.tensor([2**62 + 1, 2**62 + 2, 2**62 + 3])  # outside make_batches' default pool
 
 
@@ -47,7 +48,7 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     schedule += [("train", b) for b in train[6:]]
     model, optimizer = build()
     reference = plain_loop(model, optimizer, schedule)
-    want = snapshot(model)
+    want = snapshot(model, optimizer)
 
     model, optimizer = build()
     pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=pipe_n_batch)
@@ -62,20 +63,20 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     for _ in range(3):
         step(train_it)
     model.eval()
-    before_eval = snapshot(model)
+    before_eval = snapshot(model, optimizer)
     step(eval_it)  # eval batches 1 and 2 are now read ahead and mapped
-    assert equal_snapshots(snapshot(model), before_eval) == [], "eval changed weights, optimizer state or id tables"
+    assert equal_snapshots(snapshot(model, optimizer), before_eval) == [], EVAL_CHANGED
     model.train()
     for _ in range(3):
         step(train_it)
     model.eval()
-    before_eval = snapshot(model)
+    before_eval = snapshot(model, optimizer)
     while True:
         try:
             step(eval_it)
         except StopIteration:
             break
-    assert equal_snapshots(snapshot(model), before_eval) == [], "eval changed weights, optimizer state or id tables"
+    assert equal_snapshots(snapshot(model, optimizer), before_eval) == [], EVAL_CHANGED
     model.train()
     while True:
         try:
@@ -87,7 +88,7 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     assert len(got) == len(reference), (len(got), len(reference))
     for i, ((loss, out), (want_loss, want_out)) in enumerate(zip(got, reference, strict=True)):
         assert torch.equal(loss, want_loss) and torch.equal(out, want_out), f"step {i} ({schedule[i][0]}) differs"
-    diff = equal_snapshots(snapshot(model), want)
+    diff = equal_snapshots(snapshot(model, optimizer), want)
     assert diff == [], f"final state differs from the plain loop in {diff}"
     return {"steps": len(got)}
 
