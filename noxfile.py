@@ -51,9 +51,10 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: the little demo, 2 ranks on this machine."""
+    """The main job: the little demo, 2 ranks on this machine (``-- --steps 100`` etc. pass flags on)."""
     _install(session, "pipeline", ["matplotlib"])
-    session.run("python", "examples/little_demo/main.py", "--world-size", "2", *session.posargs)
+    out = Path(session.create_tmp()) / "little_demo"  # summary.json and training.png; a later --out wins
+    session.run("python", "examples/little_demo/main.py", "--world-size", "2", "--out", str(out), *session.posargs)
 
 
 @nox.session

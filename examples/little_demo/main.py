@@ -1,0 +1,445 @@
+"""The little demo: train a small DLRM on raw int64 ids with recsdk, on N ranks.
+
+It follows the nine steps of the flow, in order, each marked ``# <n>.`` below (steps 1 and 2
+live in ``dataset.py``, the model of step 4 in ``model.py``)::
+
+    python examples/little_demo/main.py --world-size 2               # spawns 2 local ranks
+    torchrun --nproc_per_node=2 examples/little_demo/main.py         # the same under torchrun
+    python examples/little_demo/main.py --world-size 2 --data criteo --data-path day_0.tsv.gz
+
+Rank 0 shows a progress bar, evaluates the AUC on held-out batches every ``--eval-every``
+steps, and at the end prints a summary and writes ``summary.json`` and ``training.png`` into
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
+from model import DLRM, file_tables, random_tables
+from torchmetrics.classification import BinaryAUROC
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from tqdm import tqdm
+
+from recsdk.data import DEVICE_TYPES, backend_for, get_device
+from recsdk.data.testing import free_port
+from recsdk.pipeline import (
+    MAX_PIPE_N_BATCH,
+    CombinedOptimizer,
+    HybridTrainPipelineSparseDist,
+    KeyedOptimizerWrapper,
+    apply_optimizer_in_backward,
+    in_backward_optimizer_filter,
+)
+from recsdk.sharding import HybridEmbeddingEnumerator, ShardedHashEmbeddingBagCollection, get_default_hybrid_sharders
+
+EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse tables (step 5)
+DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
+ROW_WISE_FROM = 4_096  # tables of this many rows or more are split over the ranks, smaller ones kept whole (step 6)
+STAT_KEYS = ("size", "capacity", "inserts", "evictions", "admission_rejects", "lookups", "hits")
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """One line on stderr, exit status 2 (argparse's usual status, without the usage block)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(minimum: int, maximum: int | None = None) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags; any problem exits with one line before a process starts."""
+    parser = _Parser(prog="little_demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks to spawn (default 1)")
+    parser.add_argument("--device", choices=DEVICE_TYPES, default="auto", help="auto: npu, then cuda, then cpu")
+    parser.add_argument("--steps", type=_int_at_least(1), default=600, help="training steps")
+    parser.add_argument("--batch-size", type=_int_at_least(1), default=256, help="samples per rank and step")
+    parser.add_argument(
+        "--pipe-n-batch", type=_int_at_least(1, MAX_PIPE_N_BATCH), default=2, help="batches prepared ahead"
+    )
+    parser.add_argument("--eval-every", type=_int_at_least(0), default=100, help="steps between evals (0: at the end)")
+    parser.add_argument("--eval-batches", type=_int_at_least(1), default=8, help="held-out batches per rank")
+    parser.add_argument("--data", choices=DATA_KINDS, default="random", help="the dataset")
+    parser.add_argument("--data-path", default=None, help="a file or folder, for --data criteo and parquet")
+    parser.add_argument("--num-workers", type=_int_at_least(0), default=0, help="DataLoader workers per rank")
+    parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
+    parser.add_argument("--timeout-s", type=_int_at_least(10), default=300, help="process group timeout")
+    parser.add_argument("--out", default="out/little_demo", help="folder for summary.json and training.png")
+    args = parser.parse_args(argv)
+
+    torchrun_world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
+    if torchrun_world is not None and args.world_size not in (None, int(torchrun_world)):
+        parser.error(f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE {torchrun_world}")
+    args.world_size = int(torchrun_world) if torchrun_world is not None else (args.world_size or 1)
+    try:
+        args.files = data_files(args.data, args.data_path)
+        if args.data == "parquet":
+            parquet_features(args.files)
+        try:
+            device = get_device(args.device)
+        except ValueError as e:
+            raise ValueError(f"--device {args.device}: {e}") from None
+        if device.type != "cpu" and torchrun_world is None:
+            available = torch.get_device_module(device.type).device_count()
+            if args.world_size > available:
+                raise ValueError(f"--world-size {args.world_size} needs {args.world_size} {device.type} devices")
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: {e.strerror}")
+    return args
+
+
+def quiet_library_warnings() -> None:
+    """Silence warnings that TorchRec 1.8 and torch give about their own internals.
+
+    Deprecations inside TorchRec's collectives and DDP wrapper, planner hints, and TorchRec's
+    first-batch check that ids lie in ``[0, num_embeddings)``: raw int64 ids never do, and the
+    id tables map them to rows.
+    """
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("torch.fx._symbolic_trace", "torchrec.distributed.planner", "torchrec.sparse.jagged_tensor_validator"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+
+
+def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:
+    """Everything one rank does: the nine steps, the evals and the report."""
+    quiet_library_warnings()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    torch.manual_seed(args.seed)
+
+    # 1. The Batch: recsdk.data.Batch (dense features, a KJT of raw int64 ids, labels).
+    # 2. The datasets: this rank's training batches and held-out batches (dataset.py).
+    data = make_data(
+        args.data,
+        args.files,
+        args.batch_size,
+        args.steps,
+        args.eval_batches,
+        rank,
+        world_size,
+        args.num_workers,
+        args.seed,
+    )
+
+    # 3. Process groups: the device group (gloo / nccl / hccl) and the host group for the id work (gloo).
+    device = get_device(args.device, local_rank)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).set_device(device)
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    dist.init_process_group(
+        backend=backend_for(device), init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+    )
+    try:
+        host_gp = dist.new_group(backend="gloo", timeout=timeout)
+        host_env = ShardingEnv(world_size=world_size, rank=rank, pg=host_gp)
+
+        # 4. The model: a HashEmbeddingBagCollection for the ids, MLPs for the rest (model.py).
+        #    On "meta", DistributedModelParallel allocates only this rank's shards of the tables.
+        tables = random_tables() if args.data == "random" else file_tables(data.features)
+        model = DLRM(tables, num_dense=data.num_dense, device=torch.device("meta"))
+
+        # 5. The sparse optimizer: fused into the backward pass of the embedding tables.
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), optimizer_kwargs=EMBEDDING_OPTIMIZER)
+
+        # 6. Sharding: hybrid sharders, a plan from TorchRec's planner, DistributedModelParallel.
+        sharders = get_default_hybrid_sharders(host_env=host_env)
+        constraints = {
+            t.name: ParameterConstraints(
+                sharding_types=["row_wise" if t.num_embeddings >= ROW_WISE_FROM else "table_wise"]
+            )
+            for t in tables
+        }
+        topology = Topology(world_size=world_size, compute_device="cpu" if device.type == "cpu" else "cuda")
+        planner = EmbeddingShardingPlanner(
+            topology=topology,
+            constraints=constraints,
+            enumerator=HybridEmbeddingEnumerator(topology, batch_size=args.batch_size, constraints=constraints),
+        )
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        ddp_model = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+
+        # 7. The optimizer: the fused sparse one and Adagrad for the dense parameters, combined.
+        dense_optimizer = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=DENSE_LR),
+        )
+        optimizer = CombinedOptimizer([ddp_model.fused_optimizer, dense_optimizer])
+
+        # 8. The pipeline: host id work for the next batches overlaps this batch's compute.
+        pipeline = HybridTrainPipelineSparseDist(
+            ddp_model, optimizer, device, execute_all_batches=True, pipe_n_batch=args.pipe_n_batch
+        )
+        try:
+            if rank == 0:
+                _print_header(args, world_size, device, ddp_model)
+            # 9. Training with the pipeline (and evaluating with it, in eval mode).
+            history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp)
+        finally:
+            pipeline.close()
+        sebc = next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+        stats = gather_table_stats(sebc, host_gp, [t.name for t in tables])
+        losses = gather_losses(history["losses"], host_gp)
+        if rank == 0:
+            report(args, world_size, device, history, losses, stats, time.time() - args.started)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(
+    pipeline: HybridTrainPipelineSparseDist,
+    ddp_model: torch.nn.Module,
+    data: DemoData,
+    args: argparse.Namespace,
+    rank: int,
+    world_size: int,
+    host_gp: dist.ProcessGroup,
+) -> dict[str, Any]:
+    """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps."""
+    batches = iter(data.train)
+    auroc = BinaryAUROC(process_group=host_gp)  # compute() gathers the predictions of every rank
+    best_auc = None
+    if data.teacher is not None:  # the AUC of the true click probabilities: what a perfect model gets
+        for batch in data.held_out:
+            auroc.update(data.teacher(batch).float(), batch.labels.long())
+        best_auc = float(auroc.compute())
+        auroc.reset()
+        if rank == 0:
+            print(f"held-out AUC of the true click probabilities (the best possible): {best_auc:.4f}", flush=True)
+    losses: list[torch.Tensor] = []
+    evals: list[tuple[int, float]] = []
+    train_s = 0.0
+    samples_per_step = args.batch_size * world_size
+    with tqdm(total=args.steps, desc="train", disable=rank != 0, dynamic_ncols=True) as bar:
+        for step in range(1, args.steps + 1):
+            start = time.perf_counter()
+            loss, _, _ = pipeline.progress(batches)
+            losses.append(loss)
+            train_s += time.perf_counter() - start
+            bar.update()
+            if step % 10 == 0 or step == args.steps:
+                bar.set_postfix_str(f"loss={float(loss):.4f} samples/s={step * samples_per_step / train_s:,.0f}")
+            if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+                evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc)))
+                if rank == 0:
+                    bar.write(f"step {step:>5}: eval AUC {evals[-1][1]:.4f}")
+    return {
+        "losses": torch.stack(losses).cpu().tolist(),
+        "evals": evals,
+        "best_auc": best_auc,
+        "train_s": train_s,
+        "samples_per_s": args.steps * samples_per_step / train_s,
+    }
+
+
+def evaluate(
+    pipeline: HybridTrainPipelineSparseDist, ddp_model: torch.nn.Module, held_out: list[Any], auroc: BinaryAUROC
+) -> float:
+    """AUC over every rank's held-out batches, through the same pipeline in eval mode."""
+    ddp_model.eval()  # forward only; the id tables are only read
+    batches: Iterator[Any] = iter(held_out)
+    while True:
+        try:
+            _, probs, labels = pipeline.progress(batches)
+        except StopIteration:
+            break
+        auroc.update(probs.cpu(), labels.cpu().long())
+    ddp_model.train()
+    value = float(auroc.compute())
+    auroc.reset()
+    return value
+
+
+def gather_table_stats(
+    sebc: ShardedHashEmbeddingBagCollection, group: dist.ProcessGroup, tables: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each table's id-table statistics, summed over the ranks' shards."""
+    per_rank: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, sebc.stats(), group=group)
+    totals: dict[str, dict[str, Any]] = {table: dict.fromkeys(STAT_KEYS, 0) for table in tables}
+    for stats in per_rank:
+        for table, s in stats.items():
+            for key in STAT_KEYS:
+                totals[table][key] += int(s[key])
+    for total in totals.values():
+        total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+    return totals
+
+
+def gather_losses(losses: list[float], group: dist.ProcessGroup) -> list[float]:
+    """Each step's training loss, averaged over the ranks."""
+    per_rank: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, losses, group=group)
+    return [sum(values) / len(values) for values in zip(*per_rank, strict=True)]
+
+
+# ---- the report (rank 0) ------------------------------------------------------------------------
+
+
+def _print_header(args: argparse.Namespace, world_size: int, device: torch.device, model: Any) -> None:
+    print(f"little demo: {world_size} rank(s) on {device.type} ({backend_for(device)}), {args.data} data, ", end="")
+    print(f"{args.steps} steps of {args.batch_size} samples per rank")
+    groups: dict[str, list[str]] = {}
+    for name, p in model.plan.plan["ebc"].items():
+        groups.setdefault(f"{p.sharding_type} on rank {', '.join(map(str, p.ranks or []))}", []).append(name)
+    for where, names in groups.items():
+        listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} tables, {names[0]} .. {names[-1]}"
+        print(f"plan: {where}: {listed}")
+    sys.stdout.flush()
+
+
+def report(
+    args: argparse.Namespace,
+    world_size: int,
+    device: torch.device,
+    history: dict[str, Any],
+    losses: list[float],
+    stats: dict[str, dict[str, Any]],
+    wall_s: float,
+) -> None:
+    """Print the summary table and write ``summary.json`` and ``training.png`` into ``args.out``."""
+    tail = losses[-min(len(losses), 20) :]
+    summary = {
+        "world_size": world_size,
+        "device": device.type,
+        "data": args.data,
+        "steps": args.steps,
+        "batch_size_per_rank": args.batch_size,
+        "samples_per_s": round(history["samples_per_s"], 1),
+        "train_s": round(history["train_s"], 2),
+        "wall_s": round(wall_s, 2),
+        "final_train_loss": sum(tail) / len(tail),  # mean of the last 20 steps, over all ranks
+        "eval_auc": history["evals"][-1][1],
+        "best_possible_auc": history["best_auc"],
+        "eval_history": [{"step": s, "auc": a} for s, a in history["evals"]],
+        "tables": stats,
+    }
+    out = Path(args.out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(losses, history["evals"], history["best_auc"], out / "training.png")
+
+    lines = [
+        ("steps", f"{args.steps}"),
+        ("samples/s (all ranks)", f"{summary['samples_per_s']:,.0f}"),
+        ("final train loss", f"{summary['final_train_loss']:.4f}"),
+        ("eval AUC", f"{summary['eval_auc']:.4f}"),
+    ]
+    if history["best_auc"] is not None:
+        lines.append(("best possible AUC", f"{history['best_auc']:.4f}"))
+    lines.append(("wall time (s)", f"{wall_s:.1f}"))
+    print()
+    for label, value in lines:
+        print(f"{label:<28}{value:>12}")
+    print()
+    row = "{:<12}{:>24}{:>10}{:>11}{:>19}{:>10}"
+    print(row.format("table", "ids stored / capacity", "inserts", "evictions", "admission rejects", "hit rate"))
+    for name, s in stats.items():
+        stored = f"{s['size']:,} / {s['capacity']:,}"
+        counts = [f"{s[key]:,}" for key in ("inserts", "evictions", "admission_rejects")]
+        print(row.format(name, stored, *counts, f"{s['hit_rate']:.3f}"))
+    print(f"\nwrote {out / 'summary.json'} and {out / 'training.png'}", flush=True)
+
+
+def plot(losses: list[float], evals: list[tuple[int, float]], best_auc: float | None, path: Path) -> None:
+    """Training loss (and its moving average) and eval AUC over the steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(losses) + 1))
+    window = max(1, len(losses) // 20)
+    smooth = [
+        sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))
+    ]
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
+    ax_loss.plot(steps, smooth, color="tab:blue", label=f"mean of {window} steps")
+    ax_loss.set(xlabel="step", ylabel="train loss (BCE)", title="training loss")
+    ax_loss.legend()
+    ax_auc.plot([s for s, _ in evals], [a for _, a in evals], "o-", color="tab:orange")
+    if best_auc is not None:
+        ax_auc.axhline(best_auc, color="gray", linestyle="--", label="best possible")
+        ax_auc.legend()
+    ax_auc.set(xlabel="step", ylabel="AUC", title="held-out AUC", ylim=(min(0.5, *(a - 0.02 for _, a in evals)), 1.0))
+    ax_auc.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- entry point --------------------------------------------------------------------------------
+
+
+def _spawned_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:
+    # A spawned process would also spawn its DataLoader workers; use the platform's default
+    # start method, as a rank started by torchrun does.
+    mp.set_start_method(None, force=True)
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    run_rank(rank, world_size, args, init_method)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
+    args = parse_args(argv)
+    args.started = started  # for the wall time in the summary
+    if "RANK" in os.environ:  # under torchrun: one rank per process, rendezvous from the environment
+        run_rank(int(os.environ["RANK"]), args.world_size, args, "env://")
+        return 0
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    if args.world_size == 1:
+        run_rank(0, 1, args, init_method)
+        return 0
+    try:
+        mp.start_processes(
+            _spawned_rank, args=(args.world_size, args, init_method), nprocs=args.world_size, start_method="spawn"
+        )
+    except mp.ProcessRaisedException as e:
+        print(f"little_demo: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"little_demo: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

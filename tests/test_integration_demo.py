@@ -1,0 +1,89 @@
+"""The little demo (examples/little_demo/main.py) run as a user runs it: a subprocess on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recsdk.data import CRITEO_SPARSE_FEATURES, write_synthetic_criteo
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "little_demo" / "main.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TABLE_KEYS = {"size", "capacity", "inserts", "evictions", "admission_rejects", "lookups", "hits", "hit_rate"}
+
+
+def run_demo(*flags: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the demo with ``flags``; a hung run fails the test instead of blocking it."""
+    return subprocess.run(
+        [sys.executable, str(DEMO), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def check_summary(out: Path, steps: int) -> dict:
+    """summary.json's keys and values, and a real PNG beside it."""
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("world_size", "steps", "samples_per_s", "final_train_loss", "eval_auc", "eval_history", "tables"):
+        assert key in summary, sorted(summary)
+    assert summary["world_size"] == 2
+    assert summary["steps"] == steps
+    assert isinstance(summary["eval_auc"], float) and 0.0 <= summary["eval_auc"] <= 1.0
+    assert summary["eval_history"][-1] == {"step": steps, "auc": summary["eval_auc"]}
+    assert math.isfinite(summary["final_train_loss"]) and summary["final_train_loss"] > 0
+    assert summary["samples_per_s"] > 0
+    for name, stats in summary["tables"].items():
+        assert set(stats) == TABLE_KEYS, name
+        assert 0 < stats["size"] <= stats["capacity"], (name, stats)
+        assert stats["inserts"] >= stats["size"], (name, stats)
+        assert 0.0 <= stats["hit_rate"] <= 1.0
+    assert (out / "training.png").read_bytes()[:8] == PNG_MAGIC
+    return summary
+
+
+def test_demo_on_random_data_writes_summary_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_demo("--world-size", "2", "--steps", "30", "--eval-every", "10", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = check_summary(out, steps=30)
+    assert [e["step"] for e in summary["eval_history"]] == [10, 20, 30]
+    assert set(summary["tables"]) == {"user", "item", "category", "tags"}
+    # The user table admits an id on its second sighting: the long tail is refused at first.
+    assert summary["tables"]["user"]["admission_rejects"] > 0
+    assert 0.5 < summary["best_possible_auc"] <= 1.0
+    # The summary table is printed too, one row per table.
+    assert "eval AUC" in proc.stdout
+    assert all(any(line.startswith(name) for line in proc.stdout.splitlines()) for name in summary["tables"])
+
+
+def test_demo_on_a_criteo_file(tmp_path: Path) -> None:
+    # 3000 lines: 1500 per rank, 23 batches of 64, 8 held out, so 20 steps run into a second epoch.
+    data = write_synthetic_criteo(tmp_path / "day_0.tsv", num_lines=3000, seed=3)
+    out = tmp_path / "out"
+    flags = ["--world-size", "2", "--data", "criteo", "--data-path", str(data), "--steps", "20", "--batch-size", "64"]
+    proc = run_demo(*flags, "--eval-every", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = check_summary(out, steps=20)
+    assert summary["data"] == "criteo"
+    assert set(summary["tables"]) == {f"t_{name}" for name in CRITEO_SPARSE_FEATURES}
+    assert summary["best_possible_auc"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--data", "criteo", "--data-path", "does/not/exist.tsv"], "does/not/exist.tsv"),
+    ],
+)
+def test_bad_flag_exits_with_one_line(tmp_path: Path, flags: list[str], named: str) -> None:
+    proc = run_demo("--world-size", "2", "--out", str(tmp_path / "out"), *flags, timeout_s=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert named in lines[0]
+    assert proc.stdout == ""
