@@ -5,6 +5,8 @@ id-to-row mapping in each shard's id table); the device does the lookups with To
 fused kernels and the pooled output dist over the default group.
 """
 
+from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.input_dist import OwnerSparseFeaturesDist, bucketize_by_owner
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import ID_TABLE_BYTES_PER_ROW, HybridEmbeddingEnumerator, IdTableStorageEstimator
@@ -22,6 +24,8 @@ from recsdk.sharding.sharders import (
 )
 
 __all__ = [
+    "CHECKPOINT_MANIFEST",
+    "EXPORT_MANIFEST",
     "ID_TABLE_BYTES_PER_ROW",
     "OWNER_SALT",
     "HashEmbeddingBagCollectionContext",
@@ -34,7 +38,11 @@ __all__ = [
     "OwnerSparseFeaturesDist",
     "ShardedHashEmbeddingBagCollection",
     "bucketize_by_owner",
+    "export_embeddings",
     "get_default_hybrid_sharders",
+    "latest_checkpoint",
+    "load_checkpoint",
     "owner",
+    "save_checkpoint",
     "validate_host_env",
 ]

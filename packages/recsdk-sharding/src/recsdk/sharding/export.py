@@ -1,0 +1,141 @@
+"""Export hash-table embeddings as ``(id, embedding)`` pairs in Parquet, for serving and inspection.
+
+Layout of an export directory::
+
+    <path>/recsdk_embeddings.json                 # manifest, written last
+    <path>/<table>/part-<rank>-of-<world>.parquet # one file per rank holding a shard of the table
+
+Each file has two columns, ``id`` (int64, ascending) and ``embedding``
+(``fixed_size_list<float32>[embedding_dim]``), and the table name and dim in its schema
+metadata. Every id of a table appears in exactly one file. The directory is published
+atomically like a checkpoint (written under ``.<name>.partial-<token>``, renamed at the end).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.sharding.checkpoint import _begin_directory, _Comm, _publish_directory, _root
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+
+__all__ = ["EXPORT_MANIFEST", "export_embeddings"]
+
+EXPORT_MANIFEST = "recsdk_embeddings.json"
+"""File name of an export's manifest; an export directory is complete exactly when it holds this file."""
+
+_FORMAT = "recsdk.sharding.embeddings"
+_VERSION = 1
+
+
+def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[str, int]:
+    """Write every hash table's ``(id, embedding)`` pairs to Parquet under the new directory ``path``.
+
+    Collective when ``torch.distributed`` is initialised: every rank calls it with the same
+    ``path`` and writes the ids of its own shards, in parallel. Works on a sharded model
+    (``ShardedHashEmbeddingBagCollection`` modules) and on an unsharded
+    ``HashEmbeddingBagCollection`` (written by rank 0). Changes nothing in the model.
+
+    Args:
+        model (nn.Module): the ``DistributedModelParallel`` or any module holding hash tables.
+        path (str | os.PathLike): directory to create; must not exist yet.
+
+    Returns:
+        dict[str, int]: number of ids exported per table (all ranks together).
+
+    Raises:
+        FileExistsError: ``path`` exists.
+        ValueError: two hash modules have a table of the same name, or the model has no hash table.
+
+    Example::
+
+        export_embeddings(ddp_model, "export/step_1000")
+        table = pyarrow.parquet.read_table("export/step_1000/user")  # columns id, embedding
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    sharded: dict[str, ShardedHashEmbeddingBagCollection] = {}
+    unsharded: dict[str, HashEmbeddingBagCollection] = {}
+    for fqn, module in _root(model).named_modules():
+        if isinstance(module, ShardedHashEmbeddingBagCollection):
+            sharded[fqn] = module
+        elif isinstance(module, HashEmbeddingBagCollection):
+            unsharded[fqn] = module
+    configs: list[tuple[str, str, int]] = [
+        (fqn, name, int(cfg.embedding_dim))
+        for fqn, m in sharded.items()
+        for name, cfg in m._table_name_to_config.items()
+    ]
+    configs += [
+        (fqn, cfg.name, int(cfg.embedding_dim)) for fqn, m in unsharded.items() for cfg in m.embedding_bag_configs()
+    ]
+    owners: dict[str, str] = {}
+    dims: dict[str, int] = {}
+    for fqn, name, dim in configs:
+        if name in owners:
+            raise ValueError(
+                f"table {name!r} is in hash modules {owners[name]!r} and {fqn!r}; export needs distinct table names"
+            )
+        owners[name] = fqn
+        dims[name] = dim
+    if not owners:
+        raise ValueError("the model holds no HashEmbeddingBagCollection table to export")
+    pg = next(iter(sharded.values()))._host_pg if sharded else None
+    comm = _Comm(pg)
+    final = os.path.abspath(os.fspath(path))
+    tmp = _begin_directory(final, comm, "export")
+
+    pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for module in sharded.values():
+        slices = module._table_slices()
+        for name, table in module.id_tables.items():
+            ids, rows = table.ids_and_rows()
+            pieces.append((name, ids, slices[name][0].index_select(0, rows.to(slices[name][0].device))))
+    if comm.rank == 0:
+        for module in unsharded.values():
+            for name, table in module.id_tables.items():
+                if table.device.type == "meta":
+                    continue
+                ids, rows = table.ids_and_rows()
+                weight = module.embedding_bags[name].weight.detach()
+                pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
+
+    written: dict[str, int] = {}
+    for name, ids, emb in pieces:
+        order = torch.argsort(ids)
+        ids_np = ids[order].cpu().numpy()
+        emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        dim = dims[name]
+        embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
+        arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
+        arrow = arrow.replace_schema_metadata({"recsdk.table": name, "recsdk.embedding_dim": str(dim)})
+        folder = os.path.join(tmp, name)
+        os.makedirs(folder, exist_ok=True)
+        pq.write_table(arrow, os.path.join(folder, f"part-{comm.rank:05d}-of-{comm.world:05d}.parquet"))
+        written[name] = int(ids_np.shape[0])
+
+    everyone = comm.gather(written)
+    totals = {name: sum(w.get(name, 0) for w in everyone) for name in sorted(owners)}
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "world_size": comm.world,
+        "tables": {
+            name: {
+                "embedding_dim": dims[name],
+                "num_ids": totals[name],
+                "files": [
+                    f"{name}/part-{r:05d}-of-{comm.world:05d}.parquet" for r, w in enumerate(everyone) if name in w
+                ],
+            }
+            for name in sorted(owners)
+        },
+    }
+    _publish_directory(tmp, final, EXPORT_MANIFEST, manifest, comm)
+    return totals
