@@ -7,7 +7,8 @@ rank, DCP's ``.metadata``, and ``recsdk_checkpoint.json``, the manifest, written
   ``hash/<module>/<table>/<rank>/...``): the fused kernel's weight rows and optimizer state rows,
   and the shard's whole :class:`~recsdk.embedding.IdTable` state: ids and their rows, per-id
   eviction metadata (``last_step``, ``freq``), the free-row stack, admission counters, step
-  clock and statistics. Together these give every stored id its embedding, optimizer state and
+  clock and statistics, plus the shard's fused optimizer counters that are not per row (an Adam
+  step count). Together these give every stored id its embedding, optimizer state and
   metadata, so a table can be rebuilt **by id** on any world size;
 * the rest of the model's ``state_dict()`` (``model/<key>``: dense parameters and buffers,
   TorchRec-sharded tensors of other modules, which DCP reshards itself);
@@ -188,6 +189,30 @@ def _release_finished_pins(module: ShardedHashEmbeddingBagCollection) -> None:
         for name, rows in module._computing_pins.items():
             module._id_tables[name].unpin(rows)
         module._computing_pins = {}
+
+
+def _fused_counters(module: ShardedHashEmbeddingBagCollection) -> dict[str, dict[str, torch.Tensor]]:
+    """Per local table, fused optimizer state that is not per row (e.g. an Adam step count).
+
+    Per-row state (ShardedTensors, and tensors with one entry per local row) is saved with the
+    table's rows; what remains are small counters, saved per shard.
+    """
+    optimizer = module.fused_optimizer
+    state = optimizer.state
+    slices = module._table_slices()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in module.id_tables:
+        param = optimizer.params.get(f"embedding_bags.{name}.weight")
+        rows = slices[name][0].shape[0]
+        found = {}
+        for skey, value in (state.get(param, {}) if param is not None else {}).items():
+            if isinstance(value, ShardedTensor) or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() >= 1 and value.shape[0] == rows:
+                continue
+            found[skey] = value
+        out[name] = found
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,12 +423,15 @@ def _collect(
         with module._lock:
             pending = {name: torch.cat(rows) for name, rows in module._pending_reinit.items() if rows}
         slices = module._table_slices()
+        counters = _fused_counters(module)
         for name, table in module.id_tables.items():
             prefix = _hash_prefix(fqn, name, rank)
             weight, states = slices[name]
             state[prefix + "weight"] = weight.detach()
             for i, s in enumerate(states):
                 state[prefix + f"state{i}"] = s.detach()
+            for skey, value in counters[name].items():
+                state[prefix + "fused/" + skey] = value.detach()
             sd = table.state_dict()
             if name in pending:  # rows reassigned by a batch not yet computed: still to re-initialise
                 sd["reassigned_rows"] = torch.cat([sd["reassigned_rows"], pending[name].to(torch.int64)]).unique()
@@ -418,6 +446,7 @@ def _collect(
                 "step": table.step,
                 "weight_dtype": str(weight.dtype),
                 "optimizer_states": [{"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for s in states],
+                "optimizer_counters": sorted(counters[name]),
                 "admission_counters": int(sd["admission_counters"].numel()),
             }
     for key, value in model.state_dict().items():
@@ -471,6 +500,7 @@ def _manifest(
                 "sharding_type": layout.sharding_type,
                 "weight_dtype": first.get("weight_dtype"),
                 "optimizer_states": first.get("optimizer_states", []),
+                "optimizer_counters": first.get("optimizer_counters", []),
                 "admission_counters": first.get("admission_counters", 0),
                 "shards": [{k: s[k] for k in ("rank", "row_offset", "rows", "num_ids", "step")} for s in shards],
             }
@@ -575,6 +605,7 @@ class _TableLoad:
     state_rows: list[torch.Tensor] = field(default_factory=list)
     counters: torch.Tensor | None = None
     step: int = 0
+    fused: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer counters: max over saved shards
 
 
 def load_checkpoint(
@@ -599,7 +630,8 @@ def load_checkpoint(
       are re-initialised (and their optimizer state zeroed) when handed to a new id. Admission
       counters are merged by element-wise max over the saved shards: a count-min sketch never
       undercounts, and the max of per-shard sketches keeps that true for every id (ids may be
-      admitted a little earlier than before). Statistics restart from zero. If the ids of a
+      admitted a little earlier than before). Per-table optimizer counters that are not per row
+      (an Adam step count) take the max over the saved shards. Statistics restart from zero. If the ids of a
       new shard exceed its capacity, a ``ValueError`` says which table, rank and by how much,
       before anything is modified.
 
@@ -671,6 +703,8 @@ def load_checkpoint(
             targets[prefix + "weight"] = weight.detach()
             for i, s in enumerate(states):
                 targets[prefix + f"state{i}"] = s.detach()
+            for skey, value in _fused_counters(t.module)[t.name].items():
+                targets[prefix + "fused/" + skey] = value.detach()
             buffers = {k: _empty_like_saved(reader_md[prefix + "table/" + k]) for k in _TABLE_KEYS}
             buffers["admission_counters"] = _empty_like_saved(reader_md[prefix + "table/admission_counters"])
             buffers["capacity"] = torch.tensor(weight.shape[0], dtype=torch.int64)
@@ -760,6 +794,12 @@ def _plan_load(
                     problems.append(
                         f"{table_where}: fused optimizer state per row {_describe_states(saved['optimizer_states'])} "
                         f"in the checkpoint, {_describe_states(mine)} in the model (another sparse optimizer?)"
+                    )
+                mine_counters = sorted(_fused_counters(module)[name])
+                if saved.get("optimizer_counters", []) != mine_counters:
+                    problems.append(
+                        f"{table_where}: fused optimizer counters {saved.get('optimizer_counters', [])} in the "
+                        f"checkpoint, {mine_counters} in the model (another sparse optimizer?)"
                     )
                 if module.id_tables[name].num_pinned():
                     problems.append(
@@ -940,6 +980,7 @@ def _reshard_read(tables: list[_TableLoad], path: str, reader_md: Mapping[str, A
         prefix = _hash_prefix(t.fqn, t.name, shard["rank"])
         keys = ["table/ids", "table/rows", "table/last_step", "table/freq", "table/admission_counters", "weight"]
         keys += [f"state{i}" for i in range(len(t.saved["optimizer_states"]))]
+        keys += [f"fused/{k}" for k in t.saved.get("optimizer_counters", [])]
         for k in keys:
             targets[prefix + k] = _empty_like_saved(reader_md[prefix + k])
     dcp.load(targets, storage_reader=dcp.FileSystemReader(path), process_group=comm.pg, no_dist=not comm.distributed)
@@ -994,7 +1035,22 @@ def _reshard_read(tables: list[_TableLoad], path: str, reader_md: Mapping[str, A
             }
         )
 
-    all_counts = torch.stack(comm.gather(counts))  # [source, table, dest]
+    fused_local: dict[int, dict[str, torch.Tensor]] = {}
+    for ti, t in enumerate(tables):
+        for job_table, shard in mine:
+            if job_table is t:
+                prefix = _hash_prefix(t.fqn, t.name, shard["rank"])
+                for k in t.saved.get("optimizer_counters", []):
+                    mine_max = fused_local.setdefault(ti, {})
+                    value = targets[prefix + f"fused/{k}"]
+                    mine_max[k] = value if k not in mine_max else torch.maximum(mine_max[k], value)
+    gathered = comm.gather((counts, fused_local))
+    all_counts = torch.stack([c for c, _ in gathered])  # [source, table, dest]
+    for _, theirs in gathered:
+        for ti, values in theirs.items():
+            merged = tables[ti].fused
+            for k, v in values.items():
+                merged[k] = v.clone() if k not in merged else torch.maximum(merged[k], v)
     totals = all_counts.sum(0)
     problems = []
     for ti, t in enumerate(tables):
@@ -1069,3 +1125,5 @@ def _commit_resharded(t: _TableLoad) -> None:
         weight[:n].copy_(t.weight_rows)
         for s, rows in zip(states, t.state_rows, strict=True):
             s[:n].copy_(rows)
+        for skey, value in _fused_counters(t.module)[t.name].items():
+            value.copy_(t.fused[skey])
