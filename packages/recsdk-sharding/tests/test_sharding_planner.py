@@ -16,9 +16,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.sharding import (
-    ID_TABLE_BYTES_PER_ROW,
     HybridEmbeddingEnumerator,
     get_default_hybrid_sharders,
+    id_table_bytes,
 )
 
 
@@ -75,7 +75,9 @@ def test_storage_counts_id_table_and_bad_constraints_fail_at_planning() -> None:
     assert r["rw_rows"] == [50_000, 50_000]
     for (name, sharding_type), extra in r["extra"].items():
         rows = 50_000 if sharding_type == "row_wise" else 100_000
-        expected = [rows * ID_TABLE_BYTES_PER_ROW] * len(extra)
+        config = next(c for c in tables(capacity=100_000, dims=(16, 8)) if c.name == name)
+        expected = [id_table_bytes(rows, config)] * len(extra)
+        assert 20 * rows < expected[0] < 48 * rows  # slots and per-row metadata, at most 48 B/row
         assert extra == expected, (name, sharding_type, extra)
     assert "INSUFFICIENT_STORAGE" in r["tight"] or "storage" in r["tight"].lower(), r["tight"]
     assert "'t1'" in r["bad"] and "column_wise" in r["bad"], r["bad"]

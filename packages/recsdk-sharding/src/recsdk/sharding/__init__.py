@@ -9,7 +9,7 @@ from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, l
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.input_dist import OwnerSparseFeaturesDist, bucketize_by_owner
 from recsdk.sharding.owner import OWNER_SALT, owner
-from recsdk.sharding.planner import ID_TABLE_BYTES_PER_ROW, HybridEmbeddingEnumerator, IdTableStorageEstimator
+from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.sharded_hash_embedding_bag import (
     HashEmbeddingBagCollectionContext,
     HostRwPooledEmbeddingSharding,
@@ -26,7 +26,6 @@ from recsdk.sharding.sharders import (
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "EXPORT_MANIFEST",
-    "ID_TABLE_BYTES_PER_ROW",
     "OWNER_SALT",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",
@@ -40,6 +39,7 @@ __all__ = [
     "bucketize_by_owner",
     "export_embeddings",
     "get_default_hybrid_sharders",
+    "id_table_bytes",
     "latest_checkpoint",
     "load_checkpoint",
     "owner",

@@ -18,47 +18,47 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.embedding import HashEmbeddingBagCollection, IdTable
 
-__all__ = ["ID_TABLE_BYTES_PER_ROW", "HybridEmbeddingEnumerator", "IdTableStorageEstimator"]
+__all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "id_table_bytes"]
 
-ID_TABLE_BYTES_PER_ROW = 48
-"""Host bytes the id table holds per embedding row (its hash slots and per-row metadata)."""
+
+def id_table_bytes(rows: int, config: EmbeddingBagConfig) -> int:
+    """Exact host bytes of the id table of a shard of ``rows`` rows of table ``config``.
+
+    Builds the table on the ``meta`` device (nothing is allocated) and reads its
+    ``memory_bytes``: hash slots, per-row arrays and, with ``CountAdmission``, the counters.
+    """
+    admission = getattr(config, "admission", None)
+    eviction = getattr(config, "eviction", None)
+    table = IdTable(rows, device="meta", admission=admission, eviction=eviction, name=config.name)
+    return int(table.memory_bytes)
 
 
 class IdTableStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimator plus the host id table of each HashEBC shard.
 
     The id table lives in host memory (DDR) on every device type, so each shard of a
-    :class:`~recsdk.embedding.HashEmbeddingBagCollection` table gets
-    ``rows * bytes_per_row`` more DDR.
+    :class:`~recsdk.embedding.HashEmbeddingBagCollection` table gets the exact size of its id
+    table (:func:`id_table_bytes`) added to its DDR.
 
     Args:
         topology (Topology): the planner's topology.
         constraints (dict[str, ParameterConstraints] | None): the planner's constraints.
-        bytes_per_row (int): id-table bytes per row (default :data:`ID_TABLE_BYTES_PER_ROW`).
     """
-
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: dict[str, ParameterConstraints] | None = None,
-        bytes_per_row: int = ID_TABLE_BYTES_PER_ROW,
-    ) -> None:
-        super().__init__(topology=topology, constraints=constraints)
-        if bytes_per_row < 0:
-            raise ValueError(f"bytes_per_row must be >= 0, got {bytes_per_row}")
-        self._bytes_per_row = bytes_per_row
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: dict | None = None) -> None:  # type: ignore[override]
         super().estimate(sharding_options, sharder_data_map)  # type: ignore[arg-type]
         for option in sharding_options:
-            if not isinstance(option.module[1], HashEmbeddingBagCollection):
+            module = option.module[1]
+            if not isinstance(module, HashEmbeddingBagCollection):
                 continue
+            config = next(c for c in module.embedding_bag_configs() if c.name == option.name)
             for shard in option.shards:
                 if shard.storage is not None:
-                    shard.storage.ddr += int(shard.size[0]) * self._bytes_per_row
+                    shard.storage.ddr += id_table_bytes(int(shard.size[0]), config)
 
 
 class HybridEmbeddingEnumerator(EmbeddingEnumerator):
@@ -75,7 +75,6 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         batch_size (int): per-rank batch size.
         constraints (dict[str, ParameterConstraints] | None): per-table constraints.
         estimator: optional estimator(s), as TorchRec's enumerator takes.
-        bytes_per_row (int): id-table bytes per row for the storage estimate.
     """
 
     def __init__(
@@ -84,12 +83,11 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         batch_size: int,
         constraints: dict[str, ParameterConstraints] | None = None,
         estimator: object | None = None,
-        bytes_per_row: int = ID_TABLE_BYTES_PER_ROW,
     ) -> None:
         if estimator is None:
             estimator = [
                 EmbeddingPerfEstimator(topology=topology, constraints=constraints),
-                IdTableStorageEstimator(topology=topology, constraints=constraints, bytes_per_row=bytes_per_row),
+                IdTableStorageEstimator(topology=topology, constraints=constraints),
             ]
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)  # type: ignore[arg-type]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,9 +27,11 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding, TwSparseFeaturesDist
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
+from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, init_rows_
+from recsdk.sharding.host_adam import HostAdamOptimizer, HostAdamTable, adam_params_from_fused, as_sgd_lr1, is_adam
 from recsdk.sharding.input_dist import OwnerSparseFeaturesDist
 
 __all__ = [
@@ -151,8 +154,11 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     f"table {name!r}: sharding type {ps.sharding_type!r} is not supported for "
                     f"HashEmbeddingBagCollection; supported: {list(SUPPORTED_SHARDING_TYPES)}"
                 )
-        # Set before super().__init__: the base constructor calls create_embedding_bag_sharding.
+        # Set before super().__init__: the base constructor calls create_embedding_bag_sharding
+        # and create_grouped_sharding_infos.
         self._host_pg = host_env.process_group
+        self._emulate_adam = device is None or device.type == "cpu"  # fbgemm's CPU kernel has no Adam
+        self._adam_hyper: dict[str, dict[str, Any]] = {}
         super().__init__(
             module=module,
             table_name_to_parameter_sharding=table_name_to_parameter_sharding,
@@ -186,8 +192,54 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         name=f"{cfg.name}@rank{env.rank}",
                     )
         self._tbe_slices: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+        self._adam_tables: dict[str, HostAdamTable] = {}
+        self._adam_optimizers: dict[str, HostAdamOptimizer] = {}
         if self._device is None or self._device.type != "meta":
             self._init_local_rows()
+            if self._adam_hyper:
+                self._install_host_adam()
+
+    def create_grouped_sharding_infos(  # type: ignore[override]
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: dict[str, Any],
+        prefix: str,
+        fused_params: dict[str, Any] | None,
+        suffix: str | None = "weight",
+    ) -> dict[str, list[EmbeddingShardingInfo]]:
+        infos = super().create_grouped_sharding_infos(
+            module, table_name_to_parameter_sharding, prefix, fused_params, suffix
+        )
+        if self._emulate_adam:
+            for group in infos.values():
+                for info in group:
+                    if info.fused_params and is_adam(info.fused_params):
+                        self._adam_hyper[info.embedding_config.name] = adam_params_from_fused(info.fused_params)
+                        info.fused_params = as_sgd_lr1(info.fused_params)
+        return infos
+
+    def _install_host_adam(self) -> None:
+        """Swap the SGD-at-lr-1 kernels' optimizers for :class:`HostAdamOptimizer` (see host_adam)."""
+        slices = self._table_slices()
+        kept: list[tuple[str, Any]] = []
+        combined: CombinedOptimizer = self._optim  # type: ignore[has-type]  # set by the base constructor
+        for key, opt in combined._optims:
+            names = {k.split(".")[1] for k in opt.params}
+            adam_names = names & set(self._adam_hyper)
+            if not adam_names:
+                kept.append((key, opt))
+                continue
+            tables = {}
+            for name in adam_names:
+                weight, _ = slices[name]
+                tables[name] = HostAdamTable(weight)
+                self._tbe_slices[name] = (weight, [tables[name].exp_avg, tables[name].exp_avg_sq])  # type: ignore[index]
+            adam = HostAdamOptimizer(dict(opt.params), tables, self._adam_hyper[next(iter(adam_names))])
+            self._adam_tables.update(tables)
+            for name in adam_names:
+                self._adam_optimizers[name] = adam
+            kept.append((key, adam))
+        self._optim = CombinedOptimizer(kept)
 
     def _init_local_rows(self) -> None:
         """Initialise every local row with the table's ``init_fn``, as the unsharded module does.
@@ -377,7 +429,44 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             with self._lock:
                 self._computing_pins = ctx.pinned_rows
-        return super().compute_and_output_dist(ctx, kjts)
+        snapshots = self._adam_snapshots(ctx)
+        awaitable = super().compute_and_output_dist(ctx, kjts)
+        if snapshots:
+            awaitable.callbacks.append(partial(self._hook_adam, snapshots=snapshots))
+        return awaitable
+
+    def _adam_snapshots(self, ctx: EmbeddingBagCollectionContext) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per Adam table: this batch's rows and their values before the kernel's SGD step."""
+        if not self._adam_tables or not self.training or not torch.is_grad_enabled():
+            return {}
+        if not isinstance(ctx, HashEmbeddingBagCollectionContext):
+            return {}
+        out = {}
+        for name, rows in ctx.pinned_rows.items():
+            if name in self._adam_tables and rows.numel() > 0:
+                rows = torch.unique(rows)
+                out[name] = (rows, self._adam_tables[name].weight[rows].clone())
+        return out
+
+    def _hook_adam(self, kt: KeyedTensor, snapshots: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> KeyedTensor:
+        values = kt.values()
+        if values.requires_grad:
+
+            def on_grad(grad: torch.Tensor) -> None:
+                # Runs when the pooled output's gradient is ready, before the kernel's backward;
+                # the queued callback runs once the whole backward (and the kernel's update) is done.
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._apply_adam(snapshots))
+
+            values.register_hook(on_grad)
+        return kt
+
+    def _apply_adam(self, snapshots: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        by_optimizer: dict[int, tuple[HostAdamOptimizer, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        for name, snap in snapshots.items():
+            opt = self._adam_optimizers[name]
+            by_optimizer.setdefault(id(opt), (opt, {}))[1][name] = snap
+        for opt, snaps in by_optimizer.values():
+            opt.apply(snaps)
 
     def _apply_pending_reinit(self) -> None:
         with self._lock:
