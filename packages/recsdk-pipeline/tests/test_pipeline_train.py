@@ -115,6 +115,11 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
     pipeline.close()
     assert [id(c) for c in probe.released] == [id(c) for c in probe.mapped[3:5]], "release the 2 batches read ahead"
     assert not {id(c) for c in probe.released} & {id(c) for c in probe.computed_contexts}
+    # ... and gives the model back: it runs a forward of its own again.
+    model.eval()
+    with torch.no_grad():
+        loss, _ = model(batches[0])
+    assert torch.isfinite(loss)
 
     # End of data: 0 batches, 1 batch, fewer batches than pipe_n_batch.
     model, optimizer = build()

@@ -268,13 +268,17 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return (output, loss) if self._return_loss else output
 
     def close(self) -> None:
-        """Drop the batches in flight and stop the host thread; the pipeline cannot be used afterwards.
+        """Stop the host thread and give the model back; the pipeline cannot be used afterwards.
 
-        Batches read but not computed are released (see :meth:`reset`).
+        Batches read but not computed are released (see :meth:`reset`), and the model is
+        detached (its sharded modules get their own forwards back), so it can be called
+        directly or handed to another pipeline.
         """
         if not self._worker.closed:
             self._quiesce()
             self._release_all()
+            if self._model_attached and self._pipelined_modules:
+                self.detach()
         self._worker.close()
 
     def __enter__(self) -> HybridTrainPipelineSparseDist:
