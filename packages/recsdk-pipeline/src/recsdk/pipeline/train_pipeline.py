@@ -220,6 +220,9 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         Raises:
             StopIteration: no batch is left (see ``execute_all_batches``).
             TypeError: the model's forward does not return ``(loss, output)``.
+            HostStageError: another rank's host stage failed for this batch (this rank's own
+                host-stage exception is raised as is).
+            RuntimeError: the pipeline is closed, or a host stage failed earlier.
         """
         if self._worker.closed:
             raise RuntimeError("HybridTrainPipelineSparseDist is closed")
@@ -304,10 +307,15 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         self._active_mode = None
 
     def detach(self) -> torch.nn.Module:
+        """Give the sharded modules their own forwards back (TorchRec's ``detach``).
+
+        The batches in flight are kept; the next :meth:`progress` attaches the model again.
+        """
         self._quiesce()
         return super().detach()
 
     def attach(self, model: torch.nn.Module | None = None, sparse_dist: bool = True) -> None:
+        """Pipeline the model again after :meth:`detach` (``sparse_dist`` is accepted for TorchRec parity)."""
         if model is not None:
             self._model = model
         self._model_attached = True
