@@ -152,6 +152,7 @@ def _hold_out(
 def make_data(
     kind: str,
     files: list[Path],
+    *,
     batch_size: int,
     steps: int,
     eval_batches: int,

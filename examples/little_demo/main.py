@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-path", default=None, help="a file or folder, for --data criteo and parquet")
     parser.add_argument("--num-workers", type=_int_at_least(0), default=0, help="DataLoader workers per rank")
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
-    parser.add_argument("--timeout-s", type=_int_at_least(10), default=300, help="process group timeout")
+    parser.add_argument("--timeout-s", type=_int_at_least(10), default=120, help="process group timeout")
     parser.add_argument("--out", default="out/little_demo", help="folder for summary.json and training.png")
     args = parser.parse_args(argv)
 
@@ -151,13 +151,13 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
     data = make_data(
         args.data,
         args.files,
-        args.batch_size,
-        args.steps,
-        args.eval_batches,
-        rank,
-        world_size,
-        args.num_workers,
-        args.seed,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        eval_batches=args.eval_batches,
+        rank=rank,
+        world_size=world_size,
+        num_workers=args.num_workers,
+        seed=args.seed,
     )
 
     # 3. Process groups: the device group (gloo / nccl / hccl) and the host group for the id work (gloo).
@@ -215,8 +215,8 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
             history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp)
         finally:
             pipeline.close()
-        sebc = next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
-        stats = gather_table_stats(sebc, host_gp, [t.name for t in tables])
+        # ddp_model.module is our DLRM, whose ebc is now a ShardedHashEmbeddingBagCollection.
+        stats = gather_table_stats(ddp_model.module.ebc, host_gp, [t.name for t in tables])
         losses = gather_losses(history["losses"], host_gp)
         if rank == 0:
             report(args, world_size, device, history, losses, stats, time.time() - args.started)
@@ -236,14 +236,9 @@ def train(
     """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps."""
     batches = iter(data.train)
     auroc = BinaryAUROC(process_group=host_gp)  # compute() gathers the predictions of every rank
-    best_auc = None
-    if data.teacher is not None:  # the AUC of the true click probabilities: what a perfect model gets
-        for batch in data.held_out:
-            auroc.update(data.teacher(batch).float(), batch.labels.long())
-        best_auc = float(auroc.compute())
-        auroc.reset()
-        if rank == 0:
-            print(f"held-out AUC of the true click probabilities (the best possible): {best_auc:.4f}", flush=True)
+    best_auc = best_possible_auc(data, auroc)
+    if best_auc is not None and rank == 0:
+        print(f"held-out AUC of the true click probabilities (the best possible): {best_auc:.4f}", flush=True)
     losses: list[torch.Tensor] = []
     evals: list[tuple[int, float]] = []
     train_s = 0.0
@@ -288,6 +283,17 @@ def evaluate(
     return value
 
 
+def best_possible_auc(data: DemoData, auroc: BinaryAUROC) -> float | None:
+    """The held-out AUC of the true click probabilities, where the data knows them (synthetic data)."""
+    if data.teacher is None:
+        return None
+    for batch in data.held_out:
+        auroc.update(data.teacher(batch).float(), batch.labels.long())
+    value = float(auroc.compute())
+    auroc.reset()
+    return value
+
+
 def gather_table_stats(
     sebc: ShardedHashEmbeddingBagCollection, group: dist.ProcessGroup, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
@@ -319,7 +325,9 @@ def _print_header(args: argparse.Namespace, world_size: int, device: torch.devic
     print(f"{args.steps} steps of {args.batch_size} samples per rank")
     groups: dict[str, list[str]] = {}
     for name, p in model.plan.plan["ebc"].items():
-        groups.setdefault(f"{p.sharding_type} on rank {', '.join(map(str, p.ranks or []))}", []).append(name)
+        ranks = p.ranks or []
+        where = f"{p.sharding_type} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        groups.setdefault(where, []).append(name)
     for where, names in groups.items():
         listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} tables, {names[0]} .. {names[-1]}"
         print(f"plan: {where}: {listed}")
