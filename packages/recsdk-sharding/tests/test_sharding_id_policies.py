@@ -126,3 +126,22 @@ def test_count_admission_per_shard() -> None:
         assert r["after_first"] == 0
         assert r["after_second"] == r["owned"] > 0
         assert r["stats"]["admission_rejects"] >= r["owned"]
+
+
+def _mapped_ahead_then_released(rank: int, world_size: int) -> dict:
+    _, sebc = _sharded(rank, capacity=256, eviction=LRUEviction())
+    table = sebc.id_tables["t0"]
+    batch = _batch(torch.arange(16, dtype=torch.int64) * 7919 + rank * 1000, seed=0)
+    # What a pipeline's host stage does for a batch ahead of the one computing.
+    ctx = sebc.create_context()
+    received = sebc.input_dist(ctx, batch.sparse_features).wait().wait()
+    sebc.post_input_dist(ctx, received)
+    pinned_while_in_flight = table.num_pinned()
+    sebc.release_context(ctx)  # the pipeline dropped the batch (close/reset)
+    return {"pinned": pinned_while_in_flight, "after_release": table.num_pinned(), "stored": len(table)}
+
+
+def test_rows_of_a_batch_in_flight_are_pinned_until_released() -> None:
+    for r in run_distributed(_mapped_ahead_then_released, 2, timeout_s=60):
+        assert r["pinned"] == r["stored"] > 0
+        assert r["after_release"] == 0

@@ -412,6 +412,19 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             weights = weights[keep] if weights is not None else None
         return KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
 
+    def release_context(self, ctx: EmbeddingBagCollectionContext) -> None:
+        """Unpin the rows of a batch that was mapped but will never be computed.
+
+        A pipeline calls this for batches it drops (``close()``, ``reset()``, a mode switch that
+        re-maps them); otherwise their rows would stay pinned and never be evicted.
+        """
+        if not isinstance(ctx, HashEmbeddingBagCollectionContext):
+            return
+        with self._lock:
+            for name, rows in ctx.pinned_rows.items():
+                self._id_tables[name].unpin(rows)
+            ctx.pinned_rows = {}
+
     # ---- the device stage ---------------------------------------------------------------
 
     def compute_and_output_dist(  # type: ignore[override]
