@@ -33,14 +33,16 @@ NUM_DENSE = 4
 class HybridModel(nn.Module):
     """HashEBC (t0 row-wise, t1 table-wise) + a plain EBC (t2) + dense layers; returns (loss, probs)."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, eviction: Any = None) -> None:
         super().__init__()
         self.dense = nn.Linear(NUM_DENSE, 8)
         self.over = nn.Linear(8 + 8 + 4 + 4, 1)
         self.ebc = HashEmbeddingBagCollection(
             tables=[
-                HashEmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=capacity, feature_names=["f0"]),
-                HashEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=capacity, feature_names=["f1"]),
+                HashEmbeddingBagConfig(
+                    name=f"t{i}", embedding_dim=dim, num_embeddings=capacity, feature_names=[f], eviction=eviction
+                )
+                for i, (f, dim) in enumerate(zip(HASH_FEATURES, (8, 4), strict=True))
             ],
             device=torch.device("meta"),
         )
@@ -60,10 +62,12 @@ class HybridModel(nn.Module):
         return loss, torch.sigmoid(logits.detach())
 
 
-def build(capacity: int = 1024, host_timeout_s: float = 30.0) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+def build(
+    capacity: int = 1024, host_timeout_s: float = 30.0, eviction: Any = None
+) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """The seed flow's steps 4-7 on CPU: model, fused Adagrad, hybrid sharders + planner + DMP, optimizer."""
     torch.manual_seed(0)
-    model = HybridModel(capacity)
+    model = HybridModel(capacity, eviction)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1, "eps": 0.1})
     apply_optimizer_in_backward(torch.optim.Adagrad, model.plain.parameters(), {"lr": 0.1, "eps": 0.1})
     world_size, rank = dist.get_world_size(), dist.get_rank()

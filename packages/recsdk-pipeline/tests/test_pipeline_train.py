@@ -10,10 +10,12 @@ import torch
 from pipeline_models import build, equal_snapshots, hash_ebc, make_batches, plain_loop, snapshot
 
 from recsdk.data.testing import run_distributed
+from recsdk.embedding import TTLEviction
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 
 CPU = torch.device("cpu")
 HOST_THREAD = "recsdk-host-stage"
+HASH_TABLE_OF = {"f0": "t0", "f1": "t1"}
 
 
 class Probe:
@@ -44,6 +46,49 @@ class Probe:
     @property
     def computed(self) -> int:
         return len(self.computed_contexts)
+
+
+class InFlightCheck:
+    """Records each batch's id -> row mapping when it is mapped; when the batch computes,
+    checks that the id tables still map those ids to those rows (nothing evicted or
+    reassigned under a batch in flight)."""
+
+    def __init__(self, module: Any) -> None:
+        self.checked = 0
+        self.violations: list[str] = []
+        post_input_dist: Callable[..., Any] = module.post_input_dist
+        compute: Callable[..., Any] = module.compute_and_output_dist
+        tables = module.id_tables
+        mappings: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+
+        def recording_post_input_dist(ctx: Any, kjts: Any) -> Any:
+            if ctx.ids_mapped:
+                return post_input_dist(ctx, kjts)
+            mapped = post_input_dist(ctx, kjts)
+            entries = []
+            for raw, rows in zip(kjts, mapped, strict=True):
+                raw_d, rows_d = raw.to_dict(), rows.to_dict()
+                for key in raw_d:
+                    table = HASH_TABLE_OF[key]
+                    entries.append((table, raw_d[key].values(), rows_d[key].values()))
+            mappings[id(ctx)] = entries
+            return mapped
+
+        def checking_compute(ctx: Any, kjts: Any) -> Any:
+            for table, ids, rows in mappings.pop(id(ctx)):
+                stored_ids, stored_rows = tables[table].ids_and_rows()
+                order = torch.argsort(stored_ids)
+                stored_ids, stored_rows = stored_ids[order], stored_rows[order]
+                at = torch.searchsorted(stored_ids, ids).clamp(max=max(stored_ids.numel() - 1, 0))
+                if ids.numel() and not (
+                    torch.equal(stored_ids[at], ids) and torch.equal(stored_rows[at], rows.to(stored_rows.dtype))
+                ):
+                    self.violations.append(f"batch {self.checked}, table {table}")
+            self.checked += 1
+            return compute(ctx, kjts)
+
+        module.post_input_dist = recording_post_input_dist
+        module.compute_and_output_dist = checking_compute
 
 
 def _drain(
@@ -120,6 +165,19 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
     with torch.no_grad():
         loss, _ = model(batches[0])
     assert torch.isfinite(loss)
+
+    # Eviction while batches are in flight: rows idle for 2 table steps are freed, and the
+    # pipeline maps 4 batches ahead, so without pinning the rows of the batch computing would be
+    # freed and handed to new ids before it looks them up. Every batch must still find its rows.
+    pool = torch.randint(-(2**62), 2**62, (400,), generator=torch.Generator().manual_seed(99))
+    model, optimizer = build(capacity=120, eviction=TTLEviction(max_idle_steps=2))
+    check = InFlightCheck(hash_ebc(model))
+    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=4) as pipeline:
+        small = make_batches(16, rank, seed=6, batch_size=4, id_pools=[pool, pool])
+        assert len(_drain(pipeline, small)[0]) == 16
+    assert check.checked == 16 and check.violations == [], check.violations
+    evictions = sum(t.stats()["evictions"] for t in hash_ebc(model).id_tables.values())
+    assert evictions > 0, "no row was ever freed: the check above proved nothing"
 
     # End of data: 0 batches, 1 batch, fewer batches than pipe_n_batch.
     model, optimizer = build()
