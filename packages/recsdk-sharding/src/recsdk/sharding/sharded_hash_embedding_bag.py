@@ -9,6 +9,7 @@ with TorchRec's fused kernel and returns pooled results through TorchRec's outpu
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +43,11 @@ __all__ = [
 ]
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+_VALIDATOR_LOGGER = logging.getLogger("torchrec.sparse.jagged_tensor_validator")
+
+
+def _drop_range_warnings(record: logging.LogRecord) -> bool:
+    return "which is out of range" not in record.getMessage()
 
 
 @dataclass
@@ -287,6 +293,17 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     @property
     def unsharded_module_type(self) -> type[HashEmbeddingBagCollection]:  # type: ignore[override]
         return HashEmbeddingBagCollection
+
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Any:  # type: ignore[override]
+        if not self._has_uninitialized_input_dist:
+            return super().input_dist(ctx, features)
+        # TorchRec validates the first batch against [0, num_embeddings): raw ids are never in
+        # that range, so drop those range warnings (its other checks still log).
+        _VALIDATOR_LOGGER.addFilter(_drop_range_warnings)
+        try:
+            return super().input_dist(ctx, features)
+        finally:
+            _VALIDATOR_LOGGER.removeFilter(_drop_range_warnings)
 
     # ---- public API ---------------------------------------------------------------------
 
