@@ -1018,7 +1018,9 @@ def _reshard_read(tables: list[_TableLoad], path: str, reader_md: Mapping[str, A
             dest = owner(ids, comm.world)
         else:
             dest = torch.full_like(ids, t.layout.shards[0][0])
-        order = torch.argsort(dest, stable=True)
+        # By destination, then by id: a rank receiving from one source needs no re-sorting.
+        by_id = torch.argsort(ids)
+        order = by_id.index_select(0, torch.argsort(dest.index_select(0, by_id), stable=True))
         counts[ti] = torch.bincount(dest, minlength=comm.world)
         sketch = None
         if t.saved["admission_counters"]:
@@ -1076,9 +1078,11 @@ def _reshard_read(tables: list[_TableLoad], path: str, reader_md: Mapping[str, A
         if sketch is not None and comm.distributed:
             dist.all_reduce(sketch, op=dist.ReduceOp.MAX, group=comm.pg)
         if t.name in t.module.id_tables:
-            order = torch.argsort(ids)
-            t.ids, t.meta, t.weight_rows = ids[order], meta[order], weight[order]
-            t.state_rows = [s[order] for s in states]
+            if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+                order = torch.argsort(ids)
+                ids, meta, weight = ids[order], meta[order], weight[order]
+                states = [s[order] for s in states]
+            t.ids, t.meta, t.weight_rows, t.state_rows = ids, meta, weight, states
             t.counters = sketch
 
 

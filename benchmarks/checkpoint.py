@@ -1,0 +1,269 @@
+"""Checkpoint throughput: ``save_checkpoint``/``load_checkpoint`` vs plain ``torch.save``/``torch.load``.
+
+Two ranks on gloo hold a model with hash tables sharded row-wise (fused Adagrad, so every row
+also has optimizer state), their id tables filled to ``--fill`` of capacity. In the same run,
+each round measures, slowest rank counted:
+
+- ``save``: ``save_checkpoint`` (DCP, one file per rank, fsync, manifest, atomic rename) against
+  every rank ``torch.save``-ing the same tensors (weights, optimizer state, id-table state
+  dicts, dense state) to its own file, then ``fsync`` (``baseline``), and without the fsync
+  (``baseline_nosync``);
+- ``load``: ``load_checkpoint`` into the live model (same world size) against ``torch.load`` of
+  those files followed by putting everything back (copying weights, optimizer and dense state
+  in, ``IdTable.load_state_dict``), i.e. the same restore done by hand (``baseline``), and
+  against the bare ``torch.load`` (``baseline_read_only``);
+- ``load_reshard`` (one rank, after the two-rank runs): ``load_checkpoint`` of the two-rank
+  checkpoint on one rank, rebuilding the tables by id, against the bare ``torch.load`` of
+  both files (which reshards nothing).
+
+MB/s counts the bytes of the checkpointed tensors. One JSON line per measurement with the
+ratio to the baseline (target >= 0.5); medians over ``--rounds``.
+
+    python benchmarks/checkpoint.py [--rows 262144] [--dim 64] [--tables 2] [--fill 0.8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from recsdk.data.testing import run_distributed
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.sharding import (
+    ShardedHashEmbeddingBagCollection,
+    get_default_hybrid_sharders,
+    load_checkpoint,
+    owner,
+    save_checkpoint,
+)
+
+
+class Model(nn.Module):
+    def __init__(self, tables: int, rows: int, dim: int) -> None:
+        super().__init__()
+        self.dense = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256))
+        self.ebc = HashEmbeddingBagCollection(
+            tables=[
+                HashEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"f{i}"])
+                for i in range(tables)
+            ],
+            device=torch.device("meta"),
+        )
+
+
+def _build(args: argparse.Namespace, rows: int) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    torch.manual_seed(0)
+    model = Model(args.tables, rows, args.dim)
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05})
+    world_size = dist.get_world_size()
+    host_pg = dist.new_group(backend="gloo")
+    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size, dist.get_rank(), host_pg))
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    ddp_model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=0.05),
+    )
+    return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense])
+
+
+def _sebc(model: nn.Module) -> ShardedHashEmbeddingBagCollection:
+    return next(m for m in model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+
+
+def _fill(model: nn.Module, fill: float, rank: int, world_size: int) -> None:
+    """Store ``fill * capacity`` ids this rank owns in each table; random optimizer state."""
+    sebc = _sebc(model)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for name, table in sebc.id_tables.items():
+        want = int(fill * table.capacity)
+        ids = torch.randint(-(2**62), 2**62, (3 * want * world_size,), generator=gen)
+        ids = ids[owner(ids, world_size) == rank].unique()[:want]
+        table.insert_at(ids, torch.arange(ids.numel()))
+        _, states = sebc._table_slices()[name]
+        for s in states:
+            s.copy_(torch.rand(s.shape, generator=gen))
+
+
+def _plain_state(model: nn.Module, optimizer: CombinedOptimizer) -> dict[str, Any]:
+    """The same tensors the checkpoint holds, as one dict per rank for torch.save."""
+    sebc = _sebc(model)
+    slices = sebc._table_slices()
+    out: dict[str, Any] = {}
+    for name, table in sebc.id_tables.items():
+        weight, states = slices[name]
+        out[f"{name}.weight"] = weight
+        out[f"{name}.states"] = list(states)
+        out[f"{name}.id_table"] = table.state_dict()
+    out["dense"] = {k: v for k, v in model.state_dict().items() if not k.startswith("ebc.")}
+    out["optim"] = {k: v for k, v in optimizer.state_dict()["state"].items() if not k.startswith("ebc.")}
+    return out
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _timed(fn: Any) -> float:
+    """Seconds for ``fn`` on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _torch_save(obj: Any, path: str, sync: bool) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _restore(model: nn.Module, optimizer: CombinedOptimizer, path: str) -> None:
+    """What a hand-written torch.save checkpoint does on load: torch.load, then put everything back."""
+    plain = torch.load(path, weights_only=False)
+    sebc = _sebc(model)
+    slices = sebc._table_slices()
+    with torch.no_grad():
+        for name, table in sebc.id_tables.items():
+            weight, states = slices[name]
+            weight.copy_(plain[f"{name}.weight"])
+            for s, saved in zip(states, plain[f"{name}.states"], strict=True):
+                s.copy_(saved)
+            table.load_state_dict(plain[f"{name}.id_table"])
+        dense = model.state_dict()
+        for k, v in plain["dense"].items():
+            dense[k].copy_(v)
+        current = optimizer.state_dict()["state"]
+        for k, v in plain["optim"].items():
+            for sk, sv in v.items():
+                if isinstance(sv, torch.Tensor):
+                    current[k][sk].copy_(sv)
+
+
+def _threads(args: argparse.Namespace) -> None:
+    # One process per rank on a shared machine: a thread each unless told otherwise.
+    torch.set_num_threads(args.threads)
+
+
+def _two_ranks(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    _threads(args)
+    model, optimizer = _build(args, args.rows)
+    _fill(model, args.fill, rank, world_size)
+    plain = _plain_state(model, optimizer)
+    local_bytes = torch.tensor([_nbytes(plain)], dtype=torch.int64)
+    dist.all_reduce(local_bytes)
+    keys = ("save", "save_base", "save_base_nosync", "load", "load_base", "load_base_read_only")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for i in range(args.rounds):
+        ckpt = os.path.join(root, f"ckpt{i}")
+        plain_file = os.path.join(root, f"plain{i}.rank{rank}.pt")
+        times["save"].append(_timed(lambda ckpt=ckpt, i=i: save_checkpoint(model, optimizer, ckpt, extra={"round": i})))
+        times["save_base"].append(_timed(lambda f=plain_file: _torch_save(plain, f, sync=True)))
+        times["save_base_nosync"].append(_timed(lambda f=plain_file + ".nosync": _torch_save(plain, f, sync=False)))
+        times["load"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt)))
+        times["load_base"].append(_timed(lambda f=plain_file: _restore(model, optimizer, f)))
+        times["load_base_read_only"].append(_timed(lambda f=plain_file: torch.load(f, weights_only=False)))
+        if i < args.rounds - 1 and rank == 0:
+            shutil.rmtree(ckpt)
+        dist.barrier()
+    return {"times": times, "bytes": int(local_bytes), "last": os.path.join(root, f"ckpt{args.rounds - 1}")}
+
+
+def _one_rank(rank: int, world_size: int, args: argparse.Namespace, ckpt: str, plain_files: list[str]) -> dict:
+    _threads(args)
+    model, optimizer = _build(args, args.rows)  # one rank holds every table whole: room for all ids
+    times: dict[str, list[float]] = {"load_reshard": [], "load_reshard_base": []}
+    for _ in range(args.rounds):
+        times["load_reshard"].append(_timed(lambda: load_checkpoint(model, optimizer, ckpt)))
+        times["load_reshard_base"].append(_timed(lambda: [torch.load(f, weights_only=False) for f in plain_files]))
+    stored = sum(len(t) for t in _sebc(model).id_tables.values())
+    return {"times": times, "stored": stored}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=262144, help="capacity of each table (all ranks together)")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--tables", type=int, default=2)
+    parser.add_argument("--fill", type=float, default=0.8, help="fraction of each table's rows holding an id")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--no-reshard", action="store_true", help="skip the one-rank load of the two-rank checkpoint")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="recsdk-ckpt-bench-", dir=args.dir)
+    try:
+        results = run_distributed(_two_ranks, 2, args, root, timeout_s=600)
+        total = results[0]["bytes"]
+        mb = total / 1e6
+        setup = {"world_size": 2, "tables": args.tables, "rows": args.rows, "dim": args.dim, "fill": args.fill}
+        times = results[0]["times"]
+        for op, base in (("save", "save_base"), ("load", "load_base")):
+            t, b = statistics.median(times[op]), statistics.median(times[base])
+            line = {
+                "op": op,
+                "mb_per_s": round(mb / t, 1),
+                "baseline": "torch.save+fsync" if op == "save" else "torch.load+restore",
+                "baseline_mb_per_s": round(mb / b, 1),
+                "ratio": round(b / t, 3),
+            }
+            if op == "save":
+                nosync = statistics.median(times["save_base_nosync"])
+                line["baseline_nosync_mb_per_s"] = round(mb / nosync, 1)
+                line["ratio_nosync"] = round(nosync / t, 3)
+            else:
+                read_only = statistics.median(times["load_base_read_only"])
+                line["baseline_read_only_mb_per_s"] = round(mb / read_only, 1)
+                line["ratio_read_only"] = round(read_only / t, 3)
+            print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **setup}), flush=True)
+        if not args.no_reshard:
+            plain_files = [os.path.join(root, f"plain{args.rounds - 1}.rank{r}.pt") for r in range(2)]
+            one = run_distributed(_one_rank, 1, args, results[0]["last"], plain_files, timeout_s=600)[0]
+            t = statistics.median(one["times"]["load_reshard"])
+            b = statistics.median(one["times"]["load_reshard_base"])
+            line = {
+                "op": "load_reshard",
+                "mb_per_s": round(mb / t, 1),
+                "baseline": "torch.load (read only: no resharding)",
+                "baseline_mb_per_s": round(mb / b, 1),
+                "ratio": round(b / t, 3),
+                "from_world_size": 2,
+                "ids_loaded": one["stored"],
+            }
+            print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **{**setup, "world_size": 1}}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
