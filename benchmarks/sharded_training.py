@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -55,7 +56,10 @@ class DLRM(nn.Module):
         self.top = nn.Sequential(nn.Linear(dim * (len(features) + 1), 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.ebc(batch.sparse_features).to_dict()
+        pooled = self.ebc(batch.sparse_features)
+        if isinstance(pooled, tuple):  # ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids)
+            pooled = pooled[0]
+        pooled = pooled.to_dict()
         x = torch.cat([self.bottom(batch.dense_features), *(pooled[f] for f in self.features)], dim=1)
         logits = self.top(x).squeeze(-1)
         return F.binary_cross_entropy_with_logits(logits, batch.labels), torch.sigmoid(logits.detach())
@@ -166,6 +170,7 @@ def _build_mch(args: argparse.Namespace, host_env: ShardingEnv) -> tuple[nn.Modu
                 device=torch.device("meta"),
                 eviction_policy=DistanceLFU_EvictionPolicy(),
                 eviction_interval=1,
+                buckets=dist.get_world_size(),
             )
             for i in range(args.tables)
         },
@@ -181,7 +186,8 @@ def _build_mch(args: argparse.Namespace, host_env: ShardingEnv) -> tuple[nn.Modu
             ebc_sharder=HybridEmbeddingBagCollectionSharder(), mc_sharder=ManagedCollisionCollectionSharder()
         )
     ]
-    constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
+    row_wise = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+    constraints = {f"t{i}": row_wise for i in range(args.tables)}
     ddp_model = _shard(model, sharders, constraints, args.batch_size)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
@@ -245,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     try:  # in its own process group with a short timeout: a failure there must not hang the benchmark
         run_distributed(_probe_mch, args.world_size, args, timeout_s=120)
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if "Error" in ln and not ln.startswith(" ")]
-        mch_error = lines[-1][:300] if lines else str(e).splitlines()[0][:300]
+        # The root cause, not the peer's "connection closed" that follows it on the other rank.
+        lines = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+        root = [ln for ln in lines if "gloo" not in ln and "Connection closed" not in ln] or lines
+        mch_error = root[0][:300] if root else str(e).splitlines()[0][:300]
     args.with_mch = mch_error is None
     out = run_distributed(_run, args.world_size, args, timeout_s=1200)[0]
     common = {
