@@ -29,6 +29,7 @@ from recsdk.sharding import (
     load_checkpoint,
     save_checkpoint,
 )
+from recsdk.sharding.checkpoint import _fused_counters
 
 SAVE_AT, MORE, BATCH = 6, 4, 32
 CAPACITY = 256  # small enough that both tables evict within SAVE_AT steps
@@ -47,20 +48,30 @@ def _configs(capacity: int = CAPACITY, dims: tuple[int, int] = (8, 16), extra_ta
             admission=CountAdmission(threshold=2, counter_slots=1024),
             eviction=TTLEviction(max_idle_steps=2),
         ),
+        HashEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=capacity, feature_names=["f2"]),
     ]
     if extra_table:
-        configs.append(HashEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=64, feature_names=["f2"]))
+        configs.append(HashEmbeddingBagConfig(name="t9", embedding_dim=4, num_embeddings=64, feature_names=["f9"]))
     return configs
 
 
 def _build(capacity: int = CAPACITY, dims: tuple[int, int] = (8, 16), extra_table: bool = False, tw: bool = True):
-    """DMP model (t0 row-wise, Adagrad; t1 table-wise, RowWiseAdagrad) and its combined optimizer."""
+    """DMP model and its combined optimizer.
+
+    t0: row-wise, LRU eviction, Adagrad; t1: table-wise, admission and TTL eviction,
+    RowWiseAdagrad; t2: row-wise, Adam (per-row moments and a per-shard step count).
+    """
     torch.manual_seed(0)
     model = SparseNN(_configs(capacity, dims, extra_table), num_dense=4, device="meta")
-    apply_optimizer_in_backward(torch.optim.Adagrad, [model.ebc.embedding_bags["t0"].weight], {"lr": 0.1, "eps": 0.1})
-    others = [p for n, p in model.ebc.embedding_bags.named_parameters() if not n.startswith("t0.")]
-    apply_optimizer_in_backward(RowWiseAdagrad, others, {"lr": 0.1, "eps": 0.1})
-    constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"])}
+    bags = model.ebc.embedding_bags
+    apply_optimizer_in_backward(torch.optim.Adagrad, [bags["t0"].weight], {"lr": 0.1, "eps": 0.1})
+    apply_optimizer_in_backward(RowWiseAdagrad, [bags["t1"].weight], {"lr": 0.1, "eps": 0.1})
+    others = [p for n, p in bags.named_parameters() if n.split(".")[0] not in ("t0", "t1")]
+    apply_optimizer_in_backward(torch.optim.Adam, others, {"lr": 0.01})
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=["row_wise"]),
+        "t2": ParameterConstraints(sharding_types=["row_wise"]),
+    }
     if tw:
         constraints["t1"] = ParameterConstraints(sharding_types=["table_wise"])
     ddp_model = shard(model, batch_size=BATCH, constraints=constraints)
@@ -71,7 +82,7 @@ def _build(capacity: int = CAPACITY, dims: tuple[int, int] = (8, 16), extra_tabl
     return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense])
 
 
-def _batches(rank: int, world_size: int, start: int, stop: int, features=("f0", "f1")):
+def _batches(rank: int, world_size: int, start: int, stop: int, features=("f0", "f1", "f2")):
     data = RandomRecDataset(
         batch_size=BATCH,
         num_batches=SAVE_AT + MORE,
@@ -107,6 +118,7 @@ def _snapshot(ddp_model, optimizer) -> dict[str, Any]:
     sebc = _sebc(ddp_model)
     slices = sebc._table_slices()
     tables = {}
+    counters = _fused_counters(sebc)
     for name, table in sebc.id_tables.items():
         sd = table.state_dict()
         weight, states = slices[name]
@@ -116,6 +128,7 @@ def _snapshot(ddp_model, optimizer) -> dict[str, Any]:
             "weight": weight[rows].clone(),
             "states": [s[rows].clone() for s in states],
             "full_weight": weight.clone(),
+            "counters": {k: v.clone() for k, v in counters[name].items()},
         }
     dense = {k: v.clone() for k, v in ddp_model.state_dict().items() if not k.startswith("ebc.")}
     opt_state = {
@@ -175,8 +188,10 @@ def test_save_publishes_one_complete_directory(reference) -> None:
     assert latest_checkpoint(root) == str(root / "ckpt")
     # The state the test relies on: both tables evicted, t1 admitted only part of its ids.
     for r in results:
-        for name, t in r["at_save"]["tables"].items():
-            stats = t["state_dict"]["stats"]
+        for name in ("t0", "t1"):
+            if name not in r["at_save"]["tables"]:
+                continue
+            stats = r["at_save"]["tables"][name]["state_dict"]["stats"]
             assert int(stats[1]) > 0, f"table {name}: no eviction happened, the test would not cover it"
     t1 = next(r["at_save"]["tables"]["t1"] for r in results if "t1" in r["at_save"]["tables"])
     assert int(t1["state_dict"]["stats"][2]) > 0, "t1: no admission reject"
@@ -304,7 +319,7 @@ def test_bad_input_raises_clear_errors_and_changes_nothing(on_one_rank) -> None:
     kind, message = errors["tables"]
     assert kind == "ValueError" and "does not match the model" in message, message
     assert "table 't1': embedding_dim 16 in the checkpoint, 12 in the model" in message, message
-    assert "table 't2' is in the model but not in the checkpoint" in message, message
+    assert "table 't9' is in the model but not in the checkpoint" in message, message
     assert on_one_rank["unchanged_after_tables"]
     assert errors["exists"][0] == "FileExistsError"
 
@@ -318,11 +333,14 @@ def test_load_on_another_world_size_keeps_every_id(reference, on_one_rank, world
         results = run_distributed(_load_elsewhere, world_size, str(root / "ckpt"), capacity, timeout_s=120)
     saved = [r["at_save"] for r in ref]
     loaded = [r["loaded"] for r in results]
-    for name in ("t0", "t1"):
+    for name in ("t0", "t1", "t2"):
         before, after = _per_id(saved, name), _per_id(loaded, name)
         assert torch.equal(before["ids"], after["ids"]), f"table {name}: stored ids differ"
         for key in before:
             assert torch.equal(before[key], after[key]), f"table {name}: {key} per id differs"
+    # Adam's step count per shard: the max over the saved shards, on every new shard.
+    saved_steps = [s["tables"]["t2"]["counters"]["t2.step"] for s in saved]
+    assert all(int(s["tables"]["t2"]["counters"]["t2.step"]) == int(max(saved_steps)) > 0 for s in loaded)
     t0_ranks = [r for r, s in enumerate(loaded) if "t0" in s["tables"]]
     assert t0_ranks == list(range(world_size))
     from recsdk.sharding import owner
