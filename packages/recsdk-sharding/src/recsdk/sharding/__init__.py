@@ -7,7 +7,7 @@ fused kernels and the pooled output dist over the default group.
 
 from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
-from recsdk.sharding.input_dist import OwnerSparseFeaturesDist, bucketize_by_owner
+from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist, bucketize_by_owner
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.sharded_hash_embedding_bag import (
@@ -31,6 +31,7 @@ __all__ = [
     "HashEmbeddingBagCollectionSharder",
     "HostRwPooledEmbeddingSharding",
     "HostTwPooledEmbeddingSharding",
+    "HostTwSparseFeaturesDist",
     "HybridEmbeddingBagCollectionSharder",
     "HybridEmbeddingEnumerator",
     "IdTableStorageEstimator",

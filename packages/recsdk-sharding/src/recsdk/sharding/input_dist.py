@@ -6,12 +6,18 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.sharding.owner import owner
 
-__all__ = ["OwnerSparseFeaturesDist", "bucketize_by_owner"]
+__all__ = ["HostTwSparseFeaturesDist", "OwnerSparseFeaturesDist", "bucketize_by_owner"]
+
+
+def _on_host(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The KJT on the CPU: the host group's collectives take host tensors."""
+    return kjt if kjt.values().device.type == "cpu" else kjt.to(torch.device("cpu"))
 
 
 def bucketize_by_owner(kjt: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTensor:
@@ -77,6 +83,16 @@ class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         self._dist = KJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size)
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        if sparse_features.values().device.type != "cpu":
-            sparse_features = sparse_features.to(torch.device("cpu"))
-        return self._dist(bucketize_by_owner(sparse_features, self._world_size))
+        return self._dist(bucketize_by_owner(_on_host(sparse_features), self._world_size))
+
+
+class HostTwSparseFeaturesDist(TwSparseFeaturesDist):
+    """Table-wise input dist over the host group: raw ids go, on the CPU, to each table's rank.
+
+    Args:
+        host_pg (dist.ProcessGroup): the host (gloo) process group.
+        features_per_rank (list[int]): number of features sent to each rank.
+    """
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        return self._dist(_on_host(sparse_features))

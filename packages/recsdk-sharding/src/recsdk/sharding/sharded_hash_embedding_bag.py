@@ -26,14 +26,14 @@ from torchrec.distributed.embeddingbag import (
     replace_placement_with_meta_device,
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
-from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding, TwSparseFeaturesDist
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, init_rows_
 from recsdk.sharding.host_adam import HostAdamOptimizer, HostAdamTable, adam_params_from_fused, as_sgd_lr1, is_adam
-from recsdk.sharding.input_dist import OwnerSparseFeaturesDist
+from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
 
 __all__ = [
     "HashEmbeddingBagCollectionContext",
@@ -63,7 +63,23 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
     pinned_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class HostRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+class _HostGroupSharding:
+    """Adds ``host_pg``, the host (gloo) group for the id all-to-alls, to a TorchRec sharding."""
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        *,
+        host_pg: dist.ProcessGroup,
+    ) -> None:
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
+        self._host_pg = host_pg
+
+
+class HostRwPooledEmbeddingSharding(_HostGroupSharding, RwPooledEmbeddingSharding):
     """Row-wise sharding whose input dist buckets raw ids by owner over the host group.
 
     Args:
@@ -72,23 +88,11 @@ class HostRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
         host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
     """
 
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, Any] | None = None,
-        *,
-        host_pg: dist.ProcessGroup,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._host_pg = host_pg
-
     def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
         return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
 
 
-class HostTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
+class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):
     """Table-wise sharding whose id all-to-all runs over the host group.
 
     Args:
@@ -97,27 +101,8 @@ class HostTwPooledEmbeddingSharding(TwPooledEmbeddingSharding):
         host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
     """
 
-    def __init__(
-        self,
-        sharding_infos: list[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        qcomm_codecs_registry: dict[str, Any] | None = None,
-        *,
-        host_pg: dist.ProcessGroup,
-    ) -> None:
-        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        self._host_pg = host_pg
-
-    def create_input_dist(self, device: torch.device | None = None) -> TwSparseFeaturesDist:
-        return _HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
-
-
-class _HostTwSparseFeaturesDist(TwSparseFeaturesDist):
-    def forward(self, sparse_features: KeyedJaggedTensor) -> Any:
-        if sparse_features.values().device.type != "cpu":
-            sparse_features = sparse_features.to(torch.device("cpu"))
-        return self._dist(sparse_features)
+    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
+        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
 
 
 class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
