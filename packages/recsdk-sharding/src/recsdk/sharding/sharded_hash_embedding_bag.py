@@ -57,10 +57,13 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
     Attributes:
         ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
         pinned_rows (dict[str, torch.Tensor]): per table, rows pinned for this batch.
+        reinit_rows (dict[str, torch.Tensor]): per table, rows this batch's mapping took from
+            evicted ids; re-initialised when this batch computes.
     """
 
     ids_mapped: bool = False
     pinned_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    reinit_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _HostGroupSharding:
@@ -323,20 +326,25 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         training = self.training
         mapped: list[KeyedJaggedTensor] = []
         pinned: dict[str, list[torch.Tensor]] = {}
+        reused: dict[str, list[torch.Tensor]] = {}
         error: BaseException | None = None
         try:
             for kjt in dist_input:
-                mapped.append(self._map_kjt(kjt, training, pinned))
+                mapped.append(self._map_kjt(kjt, training, pinned, reused))
         except Exception as e:  # shared with the other ranks below, then re-raised
             error = e
             with self._lock:
                 for name, rows in pinned.items():
                     for chunk in rows:
                         self._id_tables[name].unpin(chunk)
+        reinit = {name: torch.cat(rows) for name, rows in reused.items()}
+        if error is not None or not isinstance(ctx, HashEmbeddingBagCollectionContext):
+            self._defer_reinit(reinit)
         self._agree_on_failure(error)
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             ctx.ids_mapped = True
             ctx.pinned_rows = {name: torch.cat(rows) for name, rows in pinned.items()}
+            ctx.reinit_rows = reinit
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
         return KJTList(mapped)
@@ -368,7 +376,11 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
 
     def _map_kjt(
-        self, kjt: KeyedJaggedTensor, training: bool, pinned: dict[str, list[torch.Tensor]]
+        self,
+        kjt: KeyedJaggedTensor,
+        training: bool,
+        pinned: dict[str, list[torch.Tensor]],
+        reused: dict[str, list[torch.Tensor]],
     ) -> KeyedJaggedTensor:
         keys = kjt.keys()
         values = kjt.values()
@@ -391,9 +403,9 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 ids = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
                 if training:
                     table_rows = table.find_or_insert(ids)
-                    reused = table.take_reassigned_rows()
-                    if reused.numel() > 0:
-                        self._pending_reinit.setdefault(name, []).append(reused)
+                    reassigned = table.take_reassigned_rows()
+                    if reassigned.numel() > 0:
+                        reused.setdefault(name, []).append(reassigned)
                     admitted = table_rows[table_rows >= 0]
                     if admitted.numel() > 0:
                         table.pin(admitted)
@@ -426,6 +438,14 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for name, rows in ctx.pinned_rows.items():
                 self._id_tables[name].unpin(rows)
             ctx.pinned_rows = {}
+        # Its reused rows now belong to new ids all the same: re-initialise them at the next compute.
+        self._defer_reinit(ctx.reinit_rows)
+        ctx.reinit_rows = {}
+
+    def _defer_reinit(self, rows: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            for name, chunk in rows.items():
+                self._pending_reinit.setdefault(name, []).append(chunk)
 
     # ---- the device stage ---------------------------------------------------------------
 
@@ -440,10 +460,17 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 self._id_tables[name].unpin(rows)
             self._computing_pins = {}
         kjts = self.post_input_dist(ctx, input)
-        self._apply_pending_reinit()
+        # Rows this batch took from evicted ids get fresh embeddings and optimizer state before
+        # its lookup; no batch in flight uses them (they were not pinned when reassigned).
+        with self._lock:
+            pending, self._pending_reinit = self._pending_reinit, {}
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
+            for name, chunk in ctx.reinit_rows.items():
+                pending.setdefault(name, []).append(chunk)
+            ctx.reinit_rows = {}
             with self._lock:
                 self._computing_pins = ctx.pinned_rows
+        self._reinit_rows(pending)
         snapshots = self._adam_snapshots(ctx)
         awaitable = super().compute_and_output_dist(ctx, kjts)
         if snapshots:
@@ -483,9 +510,8 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for opt, snaps in by_optimizer.values():
             opt.apply(snaps)
 
-    def _apply_pending_reinit(self) -> None:
-        with self._lock:
-            pending, self._pending_reinit = self._pending_reinit, {}
+    def _reinit_rows(self, pending: dict[str, list[torch.Tensor]]) -> None:
+        """Fresh ``init_fn`` embeddings and zeroed optimizer state for reused rows."""
         if not pending:
             return
         slices = self._table_slices()
