@@ -63,10 +63,18 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank's connections are up before any rank can finish and tear its own down.
+        dist.barrier()
         try:
             out = fn(rank, world_size, *args)
+            try:
+                # Finish together, so no rank closes its connections under a peer's last
+                # collective. If a peer failed, this fails fast (its connections are closed);
+                # this rank's own result stands.
+                dist.barrier()
+            except RuntimeError:
+                pass
         finally:
-            # No barrier here: a failed rank must not wait for the others.
             dist.destroy_process_group()
         # Plain pickle: tensors travel by value (the queue's own pickler would share them
         # through file descriptors that die with this process).
