@@ -220,6 +220,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         losses = gather_losses(history["losses"], host_gp)
         if rank == 0:
             report(args, world_size, device, history, losses, stats, time.time() - args.started)
+        dist.barrier(group=host_gp)  # finish together: no rank tears down while another still runs
     finally:
         dist.destroy_process_group()
 
