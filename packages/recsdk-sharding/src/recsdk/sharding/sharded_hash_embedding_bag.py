@@ -56,12 +56,15 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
 
     Attributes:
         ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
-        pinned_rows (dict[str, torch.Tensor]): per table, rows pinned for this batch.
+        batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
+        pinned_rows (dict[str, torch.Tensor]): per table, rows pinned for this batch (only when
+            it was mapped ahead of its compute, e.g. by a pipeline).
         reinit_rows (dict[str, torch.Tensor]): per table, rows this batch's mapping took from
             evicted ids; re-initialised when this batch computes.
     """
 
     ids_mapped: bool = False
+    batch_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     pinned_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     reinit_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -310,7 +313,11 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """Map the received raw ids to local rows (find-or-insert in train, find in eval).
 
         Idempotent per context: the pipeline may run it ahead of time on a host thread, and
-        ``compute_and_output_dist`` then skips it. Ids that are not (yet) admitted, or unknown
+        ``compute_and_output_dist`` then skips it. Run this way (ahead of the batch's compute),
+        it pins the batch's rows, so that batches mapped later cannot evict them; they are
+        unpinned once the next batch computes (or by :meth:`release_context`). When
+        ``compute_and_output_dist`` maps the batch itself, nothing is in flight in between and
+        nothing is pinned. Ids that are not (yet) admitted, or unknown
         in eval, are dropped from their bags, so they pool as zeros (MEAN pooling still
         divides by the original bag length).
 
@@ -321,29 +328,37 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         Returns:
             KJTList: the same layout with row indices, on the lookup device.
         """
+        return self._post_input_dist(ctx, dist_input, pin=True)
+
+    def _post_input_dist(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList, pin: bool) -> KJTList:
+        """``post_input_dist``; ``pin=False`` when the batch computes right away (nothing is in
+        flight between its mapping and its lookup, so its rows need no protection)."""
         if isinstance(ctx, HashEmbeddingBagCollectionContext) and ctx.ids_mapped:
             return dist_input
         training = self.training
         mapped: list[KeyedJaggedTensor] = []
-        pinned: dict[str, list[torch.Tensor]] = {}
+        used: dict[str, list[torch.Tensor]] = {}
         reused: dict[str, list[torch.Tensor]] = {}
         error: BaseException | None = None
         try:
             for kjt in dist_input:
-                mapped.append(self._map_kjt(kjt, training, pinned, reused))
+                mapped.append(self._map_kjt(kjt, training, used, reused))
+            if pin:
+                with self._lock:
+                    for name, rows in used.items():
+                        for chunk in rows:
+                            self._id_tables[name].pin(chunk)
         except Exception as e:  # shared with the other ranks below, then re-raised
             error = e
-            with self._lock:
-                for name, rows in pinned.items():
-                    for chunk in rows:
-                        self._id_tables[name].unpin(chunk)
+            used = {}
         reinit = {name: torch.cat(rows) for name, rows in reused.items()}
         if error is not None or not isinstance(ctx, HashEmbeddingBagCollectionContext):
             self._defer_reinit(reinit)
         self._agree_on_failure(error)
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             ctx.ids_mapped = True
-            ctx.pinned_rows = {name: torch.cat(rows) for name, rows in pinned.items()}
+            ctx.batch_rows = {name: torch.cat(rows) for name, rows in used.items()}
+            ctx.pinned_rows = dict(ctx.batch_rows) if pin else {}
             ctx.reinit_rows = reinit
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
@@ -379,7 +394,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self,
         kjt: KeyedJaggedTensor,
         training: bool,
-        pinned: dict[str, list[torch.Tensor]],
+        used: dict[str, list[torch.Tensor]],
         reused: dict[str, list[torch.Tensor]],
     ) -> KeyedJaggedTensor:
         keys = kjt.keys()
@@ -408,8 +423,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         reused.setdefault(name, []).append(reassigned)
                     admitted = table_rows[table_rows >= 0]
                     if admitted.numel() > 0:
-                        table.pin(admitted)
-                        pinned.setdefault(name, []).append(admitted)
+                        used.setdefault(name, []).append(admitted)
                 else:
                     table_rows = table.find(ids)
                 offset = 0
@@ -459,7 +473,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for name, rows in self._computing_pins.items():
                 self._id_tables[name].unpin(rows)
             self._computing_pins = {}
-        kjts = self.post_input_dist(ctx, input)
+        kjts = self._post_input_dist(ctx, input, pin=False)
         # Rows this batch took from evicted ids get fresh embeddings and optimizer state before
         # its lookup; no batch in flight uses them (they were not pinned when reassigned).
         with self._lock:
@@ -484,7 +498,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not isinstance(ctx, HashEmbeddingBagCollectionContext):
             return {}
         out = {}
-        for name, rows in ctx.pinned_rows.items():
+        for name, rows in ctx.batch_rows.items():
             if name in self._adam_tables and rows.numel() > 0:
                 rows = torch.unique(rows)
                 out[name] = (rows, self._adam_tables[name].weight[rows].clone())
