@@ -6,6 +6,8 @@ Two ranks on gloo, the same DLRM-style model and the same batches in the same ru
   bucketed by owner and exchanged over the host group, mapped by each shard's id table).
 - ``torchrec_tw``: TorchRec's ``EmbeddingBagCollection`` on the same ids remapped offline to
   ``0..N-1``, table-wise sharding (TorchRec's CPU default).
+- ``torchrec_rw``: the same, row-wise (recsdk's sharder allows it on CPU): the cost of the
+  row-wise layout alone, without any id work.
 - ``torchrec_mch``: TorchRec's ``ManagedCollisionEmbeddingBagCollection`` (MCH) on the raw ids,
   where it runs on CPU; otherwise a line saying why not.
 
@@ -124,13 +126,13 @@ def _build(variant: str, args: argparse.Namespace, host_env: ShardingEnv) -> tup
         ]
         ebc: nn.Module = HashEmbeddingBagCollection(tables=configs, device=torch.device("meta"))
         sharding = "row_wise"
-    elif variant == "torchrec_tw":
+    elif variant in ("torchrec_tw", "torchrec_rw"):
         configs = [
             EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.id_range, feature_names=[f])
             for i, f in enumerate(features)
         ]
         ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-        sharding = "table_wise"
+        sharding = "table_wise" if variant == "torchrec_tw" else "row_wise"
     else:
         raise ValueError(variant)
     model = DLRM(ebc, features, num_dense=13, dim=args.dim)
@@ -218,6 +220,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {
         "hash_rw": (*_build("hash_rw", args, host_env), raw[rank]),
         "torchrec_tw": (*_build("torchrec_tw", args, host_env), remapped[rank]),
+        "torchrec_rw": (*_build("torchrec_rw", args, host_env), remapped[rank]),
     }
     if args.with_mch:
         runs["torchrec_mch"] = (*_build_mch(args, host_env), raw[rank])
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     )
+    # What row-wise costs by itself (same sharding, no id work): separates the id work from
+    # the row-wise layout (reduce-scatter of every rank's whole batch vs table-wise all-to-all).
+    ratio_rw = medians["hash_rw"] / medians["torchrec_rw"]
+    print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_rw", "value": round(ratio_rw, 3)}))
     if "torchrec_mch" in medians:
         ratio = medians["hash_rw"] / medians["torchrec_mch"]
         print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_mch", "value": round(ratio, 3)}))
