@@ -240,6 +240,9 @@ def test_load_state_dict_rejects_bad_states_and_keeps_the_table() -> None:
     b.find_or_insert(torch.tensor([7]))
     with pytest.raises(ValueError, match="exactly once"):
         b.load_state_dict(broken)
+    repeated = dict(sd, free_rows=sd["free_rows"][:1].repeat(2))  # the right count, one row twice
+    with pytest.raises(ValueError, match="exactly once"):
+        b.load_state_dict(repeated)
     assert b.find(torch.tensor([7])).item() == 0
     with pytest.raises(ValueError, match="admission counters"):
         IdTable(4, admission=CountAdmission(3, counter_slots=16)).load_state_dict(sd)

@@ -557,9 +557,11 @@ class IdTable:
             if sd[key].numel() != n:
                 raise ValueError(f"IdTable '{self._name}': state dict has {n} ids but {sd[key].numel()} {key}")
         every = torch.cat([rows, free])
-        if every.numel() != self._capacity or not torch.equal(
-            every.sort().values, torch.arange(self._capacity, device=self._device)
-        ):
+        in_range = every.numel() == self._capacity and bool(((every >= 0) & (every < self._capacity)).all())
+        seen = torch.zeros(self._capacity, dtype=torch.bool, device=self._device)
+        if in_range:
+            seen[every] = True  # capacity entries covering every row: each row exactly once
+        if not in_range or not bool(seen.all()):
             raise ValueError(
                 f"IdTable '{self._name}': state dict rows and free_rows must together hold each row "
                 f"of [0, {self._capacity}) exactly once"
