@@ -92,6 +92,56 @@ def test_weights_follow_their_ids(tmp_path: Path) -> None:
     assert kjt.weights().tolist() == [1.0, 1.0, 0.5, 2.0, 4.0]  # unweighted feature: 1.0
 
 
+@pytest.mark.parametrize(
+    ("ids", "weights", "pattern"),
+    [
+        # Null lists on opposite sides used to pass the length check and shift weight 0.5 onto id 3.
+        (
+            [[1, 2], None, [3]],
+            [[0.1, 0.2], [0.5, 0.6], None],
+            r"weight column of 'ids' .* null weights for present ids",
+        ),
+        ([[1, 2], None, [3]], [[0.1, 0.2], [0.5, 0.6], [0.7]], r"'ids' and its weight column .* differ in lengths"),
+        ([[1, 2], [3], [4]], [[0.1, 0.2], None, [0.4]], r"weight column of 'ids' .* null weights for present ids"),
+    ],
+)
+def test_null_list_on_one_side_of_weights_is_rejected(
+    tmp_path: Path, ids: list[object], weights: list[object], pattern: str
+) -> None:
+    table = pa.table(
+        {
+            "y": [0, 1, 0],
+            "ids": pa.array(ids, pa.list_(pa.int64())),
+            "w": pa.array(weights, pa.list_(pa.float64())),
+        }
+    )
+    path = _write(tmp_path / "n.parquet", table, row_group_size=10)
+    ds = ParquetRecDataset(
+        path, 3, label_column="y", dense_columns=[], sparse_columns=["ids"], weight_columns={"ids": "w"}
+    )
+    with pytest.raises(ValueError, match=pattern):
+        list(ds)
+
+
+def test_null_lists_on_both_sides_or_empty_weights_are_fine(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "y": [0, 1, 0, 1],
+            "ids": pa.array([[1, 2], None, [], [3]], pa.list_(pa.int64())),
+            "w": pa.array([[0.1, 0.2], None, None, [0.5]], pa.list_(pa.float64())),
+        }
+    )
+    path = _write(tmp_path / "ok.parquet", table, row_group_size=10)
+    ds = ParquetRecDataset(
+        path, 4, label_column="y", dense_columns=[], sparse_columns=["ids"], weight_columns={"ids": "w"}
+    )
+    (batch,) = list(ds)
+    kjt = batch.sparse_features
+    assert kjt.lengths().tolist() == [2, 0, 0, 1]
+    assert kjt.values().tolist() == [1, 2, 3]
+    assert kjt.weights().tolist() == pytest.approx([0.1, 0.2, 0.5])
+
+
 def test_batches_cross_row_groups_and_files(tmp_path: Path) -> None:
     a = _numbered(tmp_path / "a.parquet", 0, 25, row_group_size=4)
     b = _numbered(tmp_path / "b.parquet", 25, 10, row_group_size=3)

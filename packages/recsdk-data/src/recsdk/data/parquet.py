@@ -315,7 +315,13 @@ class ParquetRecDataset(IterableDataset[Batch]):
             flat = _decoded(pc.list_flatten(arr))
             wflat = None
             if warr is not None:
-                if not pc.all(pc.equal(pc.list_value_length(arr), pc.list_value_length(warr))).as_py():
+                # A null list counts as length 0 on both sides: otherwise a null id list next to a non-null
+                # weight list (or the reverse) would pass and list_flatten would shift weights across rows.
+                id_lens = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+                w_lens = pc.fill_null(pc.list_value_length(warr), 0).to_numpy(zero_copy_only=False)
+                if (warr.is_null().to_numpy(zero_copy_only=False) & (id_lens > 0)).any():
+                    raise ValueError(f"weight column of {col!r} in {str(path)!r} has null weights for present ids")
+                if not np.array_equal(id_lens, w_lens):
                     raise ValueError(f"sparse column {col!r} and its weight column in {str(path)!r} differ in lengths")
                 wflat = pc.list_flatten(warr)
         else:
