@@ -26,6 +26,15 @@ def test_bad_kind_names_allowed_values() -> None:
         get_device("tpu")
 
 
+def test_cuda_local_rank_beyond_device_count_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert get_device("cuda", local_rank=1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"local_rank must be in \[0, 2\) for the 2 visible cuda device\(s\), got 2"):
+        get_device("cuda", local_rank=2)
+    assert get_device("cpu", local_rank=5) == torch.device("cpu")  # the CPU ignores local_rank
+
+
 def test_npu_without_torch_npu_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` raise ImportError
     assert not npu_available()

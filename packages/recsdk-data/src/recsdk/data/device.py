@@ -52,10 +52,15 @@ def get_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
 
     Args:
         kind (str): one of ``"auto"``, ``"cpu"``, ``"cuda"``, ``"npu"``.
-        local_rank (int): index of the accelerator for this process (ignored on CPU).
+        local_rank (int): index of the accelerator for this process (ignored on CPU). Must be
+            below the number of visible accelerators: two processes never share one silently.
 
     Returns:
         torch.device: the chosen device, with its index set for accelerators.
+
+    Raises:
+        ValueError: for an unknown ``kind``, an accelerator that is not available, or a
+            ``local_rank`` that is not below the accelerator count.
 
     Example::
 
@@ -78,7 +83,7 @@ def get_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cuda", _checked_index("cuda", local_rank, torch.cuda.device_count()))
     try:
         _import_torch_npu()
     except ImportError as e:
@@ -88,7 +93,16 @@ def get_device(kind: str = "auto", local_rank: int = 0) -> torch.device:
         ) from e
     if not npu_available():
         raise ValueError("device 'npu' was asked for but torch_npu reports no NPU device")
-    return torch.device("npu", local_rank % torch.npu.device_count())  # type: ignore[attr-defined]
+    return torch.device("npu", _checked_index("npu", local_rank, torch.npu.device_count()))  # type: ignore[attr-defined]
+
+
+def _checked_index(kind: str, local_rank: int, count: int) -> int:
+    if local_rank >= count:
+        raise ValueError(
+            f"local_rank must be in [0, {count}) for the {count} visible {kind} device(s), got {local_rank}; "
+            "run at most one process per device"
+        )
+    return local_rank
 
 
 def backend_for(device: torch.device | str) -> str:
