@@ -222,6 +222,35 @@ def test_bad_lines_can_be_skipped_and_counted(tmp_path: Path) -> None:
     assert counts == [sum(1 for k in bad if (k - 1) % 2 == r) for r in range(2)]
 
 
+@pytest.mark.parametrize("neighbour", [None, "x", "0x10"])
+def test_int64_edges_are_judged_alone_not_by_their_block(tmp_path: Path, neighbour: str | None) -> None:
+    # int_1 holds the value under test; a bad neighbour in the same block used to change the verdict.
+    values = {
+        2: ("9223372036854775807", True),  # 19 digits, int64 max
+        3: ("-9223372036854775808", True),  # int64 min
+        4: ("0000000000000000042", True),  # 19 digits with leading zeros
+        5: ("9223372036854775808", False),  # one past int64 max
+        6: ("99999999999999999999", False),  # 20 digits
+    }
+    bad = {i: _line(str(i % 2), [str(i), v] + ["0"] * 11, [f"{i:08x}"] * 26) for i, (v, _) in values.items()}
+    if neighbour is not None:
+        bad[8] = _line("0", ["8", neighbour] + ["0"] * 11, ["00000008"] * 26)
+    path = _numbered(tmp_path / "edges.tsv", 10, bad)
+    ds = CriteoDataset(path, batch_size=16, on_bad_line="skip")
+    (batch,) = list(ds)
+    kept = [i for i in range(1, 11) if values.get(i, ("", True))[1] and not (i == 8 and neighbour is not None)]
+    assert _line_numbers([batch]) == kept
+    assert ds.bad_lines == 10 - len(kept)
+    int_1 = batch.dense_features[:, 1].double()
+    assert int_1[kept.index(2)].item() == pytest.approx(math.log1p(2**63 - 1))
+    assert int_1[kept.index(3)].item() == 0.0  # negative values clamp to 0 before log1p
+    assert int_1[kept.index(4)].item() == pytest.approx(math.log1p(42))
+    with pytest.raises(
+        ValueError, match=r"edges\.tsv:5: bad Criteo line \(int_1 '9223372036854775808' is not a decimal"
+    ):
+        list(CriteoDataset(path, batch_size=16))
+
+
 def test_whole_parser_blocks_of_bad_lines(tmp_path: Path) -> None:
     # Bad lines first (the parser's first block), then a run longer than a block between good rows.
     bad = {i: "x" for i in range(1, 201)} | {i: "1\t2" for i in range(260, 560)}

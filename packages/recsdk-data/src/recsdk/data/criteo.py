@@ -34,7 +34,9 @@ CRITEO_DENSE_COLUMNS = [f"int_{i}" for i in range(13)]
 CRITEO_SPARSE_FEATURES = [f"cat_{i}" for i in range(26)]
 _COLUMNS = ["label", *CRITEO_DENSE_COLUMNS, *CRITEO_SPARSE_FEATURES]
 ON_BAD_LINE = ("error", "skip")
-_INT_RE = r"^-?[0-9]{1,18}$"
+# A dense value is an optional '-' and 1 to 19 decimal digits that fit int64 (checked by _fits_int64).
+_INT_RE = r"^-?[0-9]{1,19}$"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _U = np.uint64
 
 
@@ -145,16 +147,45 @@ def parse_hex_ids(column: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[
     return ids.view(np.int64), present & ~bad, bad
 
 
+def _fits_int64(text: str) -> bool:
+    return _INT64_MIN <= int(text) <= _INT64_MAX
+
+
+def _only_short_decimals(column: pa.Array) -> bool:
+    """True when every stored byte is a digit or '-' and no value is longer than 19 bytes.
+
+    For such a column, a successful int64 cast means every value matches ``_INT_RE`` and fits int64.
+    """
+    n = len(column)
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=column.offset + n + 1)[column.offset :]
+    if n and int(np.diff(offsets).max()) > 19:
+        return False
+    data_buf = column.buffers()[2]
+    if data_buf is None:
+        return True
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0] : offsets[-1]]
+    return bool((((data - np.uint8(48)) < 10) | (data == ord("-"))).all())
+
+
 def _parse_ints(column: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """Decimal integers of a string column: ``(values with nulls as 0, bad)``."""
-    try:
-        values = pc.cast(column, pa.int64())
-        bad = np.zeros(len(column), dtype=np.bool_)
-    except pa.ArrowInvalid:
-        ok = pc.fill_null(pc.match_substring_regex(column, _INT_RE), True)
-        bad = ~ok.to_numpy(zero_copy_only=False)
-        values = pc.cast(pc.if_else(ok, column, pa.scalar(None, pa.string())), pa.int64())
-    return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), bad
+    """Decimal integers of a string column: ``(values with nulls as 0, bad)``.
+
+    A value is valid when it matches ``_INT_RE`` and fits int64, whatever else is in the column:
+    the fast path (one cast) is taken only where it decides exactly as the per-value check.
+    """
+    if _only_short_decimals(column):
+        try:
+            values = pc.cast(column, pa.int64())
+            bad = np.zeros(len(column), dtype=np.bool_)
+            return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), bad
+        except pa.ArrowInvalid:
+            pass
+    ok = np.array(pc.fill_null(pc.match_substring_regex(column, _INT_RE), True).to_numpy(zero_copy_only=False))
+    lengths = pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
+    for i in np.flatnonzero(ok & (lengths >= 19)):  # only these can overflow int64
+        ok[i] = _fits_int64(column[int(i)].as_py())
+    values = pc.cast(pc.if_else(pa.array(ok), column, pa.scalar(None, pa.string())), pa.int64())
+    return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), ~ok
 
 
 def _parse_table(table: pa.RecordBatch) -> tuple[_Rows, npt.NDArray[np.bool_]]:
@@ -441,7 +472,7 @@ def _describe_bad_row(table: pa.RecordBatch, i: int) -> str:
         return f"label {row['label']!r} is not 0 or 1"
     for name in CRITEO_DENSE_COLUMNS:
         v = row[name]
-        if v is not None and re.fullmatch(_INT_RE, v) is None:
+        if v is not None and (re.fullmatch(_INT_RE, v) is None or not _fits_int64(v)):
             return f"{name} {v!r} is not a decimal integer"
     for name in CRITEO_SPARSE_FEATURES:
         v = row[name]
