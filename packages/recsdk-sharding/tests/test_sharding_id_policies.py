@@ -145,3 +145,32 @@ def test_rows_of_a_batch_in_flight_are_pinned_until_released() -> None:
     for r in run_distributed(_mapped_ahead_then_released, 2, timeout_s=60):
         assert r["pinned"] == r["stored"] > 0
         assert r["after_release"] == 0
+
+
+def _owed_reinit_of_batches_in_flight(rank: int, world_size: int) -> dict:
+    model, sebc = _sharded(rank, capacity=32, eviction=LRUEviction())  # 16 rows per rank
+    table = sebc.id_tables["t0"]
+    _step(model, _batch(_ids_owned_by(rank, world_size, 16, start=0), seed=0))  # fills this rank's rows
+    # A batch of 16 new ids, mapped ahead as a pipeline does: every row goes to a new id, and its
+    # re-initialisation is owed until the batch computes (a checkpoint saves exactly this).
+    ctx = sebc.create_context()
+    new_ids = _ids_owned_by(rank, world_size, 16, start=5_000_000)
+    received = sebc.input_dist(ctx, _batch(new_ids, seed=1).sparse_features).wait().wait()
+    sebc.post_input_dist(ctx, received)
+    owed_in_flight = sebc.owed_reinit_rows().get("t0", torch.empty(0)).tolist()
+    sebc.release_context(ctx)  # dropped: still owed, now at the next compute
+    owed_after_release = sebc.owed_reinit_rows().get("t0", torch.empty(0)).tolist()
+    _step(model, _batch(new_ids, seed=2))  # computing a batch pays what is owed
+    return {
+        "capacity": table.capacity,
+        "owed_in_flight": sorted(owed_in_flight),
+        "owed_after_release": sorted(owed_after_release),
+        "owed_after_compute": sebc.owed_reinit_rows(),
+    }
+
+
+def test_reinit_owed_by_batches_in_flight_is_visible_until_paid() -> None:
+    for r in run_distributed(_owed_reinit_of_batches_in_flight, 2, timeout_s=60):
+        assert r["owed_in_flight"] == list(range(r["capacity"]))
+        assert r["owed_after_release"] == r["owed_in_flight"]
+        assert r["owed_after_compute"] == {}

@@ -234,6 +234,13 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self.attach(self._model)
         training = bool(self._model.training)
         lane = self._enter_mode(training)
+        # The previous batch's backward is done: release its rows now, on this thread and before
+        # any host stage is submitted, so which rows a host stage may evict never depends on
+        # thread timing.
+        for module in self._host_modules:
+            release = getattr(module, "release_finished_pins", None)
+            if release is not None:
+                release()
         try:
             self._fill(lane, dataloader_iter)
             if not lane.steps:
@@ -264,10 +271,10 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                     self._optimizer.step()
                 self._train_steps += 1
             lane.steps.popleft()
-        except StopIteration:
+        finally:
+            # Whatever happened (end of data, an error in forward or in the iterator), the host
+            # thread is idle when progress() returns or raises.
             self._quiesce()
-            raise
-        self._quiesce()
         return (output, loss) if self._return_loss else output
 
     def close(self) -> None:

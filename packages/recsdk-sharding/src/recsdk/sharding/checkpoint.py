@@ -183,14 +183,6 @@ def _admission_counters(module: ShardedHashEmbeddingBagCollection, table: str) -
     return (admission.counter_slots // admission.num_hashes) * admission.num_hashes
 
 
-def _release_finished_pins(module: ShardedHashEmbeddingBagCollection) -> None:
-    """Unpin the rows of the last computed batch (released lazily by the next forward otherwise)."""
-    with module._lock:
-        for name, rows in module._computing_pins.items():
-            module._id_tables[name].unpin(rows)
-        module._computing_pins = {}
-
-
 def _fused_counters(module: ShardedHashEmbeddingBagCollection) -> dict[str, dict[str, torch.Tensor]]:
     """Per local table, fused optimizer state that is not per row (e.g. an Adam step count).
 
@@ -420,8 +412,7 @@ def _collect(
     for fqn, module in modules.items():
         layouts = _layouts(module)
         hash_keys.update(_weight_key(fqn, name) for name in layouts)
-        with module._lock:
-            pending = {name: torch.cat(rows) for name, rows in module._pending_reinit.items() if rows}
+        pending = module.owed_reinit_rows()
         slices = module._table_slices()
         counters = _fused_counters(module)
         for name, table in module.id_tables.items():
@@ -678,7 +669,7 @@ def load_checkpoint(
     reader_md = metadata.state_dict_metadata
 
     for module in modules.values():
-        _release_finished_pins(module)
+        module.release_finished_pins()
     problems, loads = _plan_load(model, optimizer, modules, manifest, reader_md, comm)
     comm.agree_on_problems(problems, f"checkpoint {path!r} does not match the model:")
 

@@ -107,18 +107,23 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
                 pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
 
     written: dict[str, int] = {}
-    for name, ids, emb in pieces:
-        order = torch.argsort(ids)
-        ids_np = ids[order].cpu().numpy()
-        emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-        dim = dims[name]
-        embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
-        arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
-        arrow = arrow.replace_schema_metadata({"recsdk.table": name, "recsdk.embedding_dim": str(dim)})
-        folder = os.path.join(tmp, name)
-        os.makedirs(folder, exist_ok=True)
-        pq.write_table(arrow, os.path.join(folder, f"part-{comm.rank:05d}-of-{comm.world:05d}.parquet"))
-        written[name] = int(ids_np.shape[0])
+    error: BaseException | None = None
+    try:  # a failed write on one rank must fail every rank, not leave them waiting in the gather
+        for name, ids, emb in pieces:
+            order = torch.argsort(ids)
+            ids_np = ids[order].cpu().numpy()
+            emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+            dim = dims[name]
+            embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
+            arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
+            arrow = arrow.replace_schema_metadata({"recsdk.table": name, "recsdk.embedding_dim": str(dim)})
+            folder = os.path.join(tmp, name)
+            os.makedirs(folder, exist_ok=True)
+            pq.write_table(arrow, os.path.join(folder, f"part-{comm.rank:05d}-of-{comm.world:05d}.parquet"))
+            written[name] = int(ids_np.shape[0])
+    except Exception as e:
+        error = e
+    comm.agree(error)
 
     everyone = comm.gather(written)
     totals = {name: sum(w.get(name, 0) for w in everyone) for name in sorted(owners)}

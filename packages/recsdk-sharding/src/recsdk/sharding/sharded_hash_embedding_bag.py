@@ -168,6 +168,8 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._host_env = host_env
         self._lock = threading.Lock()
         self._pending_reinit: dict[str, list[torch.Tensor]] = {}
+        # Reused rows of batches mapped ahead and not computed yet, by id(ctx): still owed a re-init.
+        self._inflight_reinit: dict[int, dict[str, torch.Tensor]] = {}
         self._computing_pins: dict[str, torch.Tensor] = {}
         self._hash_configs: dict[str, HashEmbeddingBagConfig] = {
             c.name: c for c in self._embedding_bag_configs if isinstance(c, HashEmbeddingBagConfig)
@@ -354,7 +356,15 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         reinit = {name: torch.cat(rows) for name, rows in reused.items()}
         if error is not None or not isinstance(ctx, HashEmbeddingBagCollectionContext):
             self._defer_reinit(reinit)
-        self._agree_on_failure(error)
+        elif pin and reinit:
+            with self._lock:
+                self._inflight_reinit[id(ctx)] = reinit
+        if pin:
+            # Mapped ahead by a pipeline, which agrees on host-stage failures across ranks itself.
+            if error is not None:
+                raise error
+        else:
+            self._agree_on_failure(error)
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             ctx.ids_mapped = True
             ctx.batch_rows = {name: torch.cat(rows) for name, rows in used.items()}
@@ -452,9 +462,35 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             for name, rows in ctx.pinned_rows.items():
                 self._id_tables[name].unpin(rows)
             ctx.pinned_rows = {}
+            self._inflight_reinit.pop(id(ctx), None)
         # Its reused rows now belong to new ids all the same: re-initialise them at the next compute.
         self._defer_reinit(ctx.reinit_rows)
         ctx.reinit_rows = {}
+
+    def release_finished_pins(self) -> None:
+        """Unpin the rows of the last computed batch (its backward has run).
+
+        Called at the start of the next ``compute_and_output_dist``; a pipeline calls it itself
+        before it maps further batches, so that which rows are evictable does not depend on
+        thread timing. A checkpoint calls it before reading the tables.
+        """
+        with self._lock:
+            for name, rows in self._computing_pins.items():
+                self._id_tables[name].unpin(rows)
+            self._computing_pins = {}
+
+    def owed_reinit_rows(self) -> dict[str, torch.Tensor]:
+        """Per table, rows reassigned to new ids whose re-initialisation has not run yet.
+
+        They belong to batches mapped ahead (in flight in a pipeline) or dropped by it; a
+        checkpoint saves them so that a restored model re-initialises them too.
+        """
+        with self._lock:
+            chunks = {name: list(rows) for name, rows in self._pending_reinit.items()}
+            for reinit in self._inflight_reinit.values():
+                for name, rows in reinit.items():
+                    chunks.setdefault(name, []).append(rows)
+        return {name: torch.unique(torch.cat(rows)) for name, rows in chunks.items() if rows}
 
     def _defer_reinit(self, rows: dict[str, torch.Tensor]) -> None:
         with self._lock:
@@ -468,11 +504,9 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     ) -> LazyAwaitable[KeyedTensor]:
         # The previous batch's backward has run by now: its rows may be evicted again. Release
         # them before mapping this batch (a plain loop maps here; a pipeline mapped earlier,
-        # while the previous batch was still in flight and its rows pinned).
-        with self._lock:
-            for name, rows in self._computing_pins.items():
-                self._id_tables[name].unpin(rows)
-            self._computing_pins = {}
+        # while the previous batch was still in flight and its rows pinned, and releases them
+        # itself at a fixed point of its schedule).
+        self.release_finished_pins()
         kjts = self._post_input_dist(ctx, input, pin=False)
         # Rows this batch took from evicted ids get fresh embeddings and optimizer state before
         # its lookup; no batch in flight uses them (they were not pinned when reassigned).
@@ -483,6 +517,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 pending.setdefault(name, []).append(chunk)
             ctx.reinit_rows = {}
             with self._lock:
+                self._inflight_reinit.pop(id(ctx), None)
                 self._computing_pins = ctx.pinned_rows
         self._reinit_rows(pending)
         snapshots = self._adam_snapshots(ctx)
