@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -140,6 +141,20 @@ def test_null_lists_on_both_sides_or_empty_weights_are_fine(tmp_path: Path) -> N
     assert kjt.lengths().tolist() == [2, 0, 0, 1]
     assert kjt.values().tolist() == [1, 2, 3]
     assert kjt.weights().tolist() == pytest.approx([0.1, 0.2, 0.5])
+
+
+def test_rows_handed_to_torch_are_writable(tmp_path: Path) -> None:
+    # torch.from_numpy on a read-only view of Arrow memory warns and gives a tensor that must not be written.
+    path = _numbered(tmp_path / "a.parquet", 0, 6, row_group_size=3)
+    ds = _numbered_ds([path], 4)
+    parts = list(ds._rows(0, 1))
+    assert len(parts) == 2
+    for rows in parts:
+        assert rows.labels.flags.writeable and rows.labels.dtype == np.float32
+        assert rows.dense.flags.writeable
+        batch = rows.to_batch(ds.sparse_columns)
+        batch.labels.mul_(2)  # in place, on memory the batch owns
+        assert batch.labels.tolist() == [2.0] * len(rows)
 
 
 def test_batches_cross_row_groups_and_files(tmp_path: Path) -> None:

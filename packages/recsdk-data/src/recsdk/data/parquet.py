@@ -290,7 +290,8 @@ class ParquetRecDataset(IterableDataset[Batch]):
         label = rb.column(self.label_column)
         if label.null_count:
             raise ValueError(f"label column {self.label_column!r} in {str(path)!r} has {label.null_count} null values")
-        labels = pc.cast(label, pa.float32()).to_numpy(zero_copy_only=False)
+        # A copy: the zero-copy view of Arrow memory is read-only, and torch.from_numpy warns on it.
+        labels = np.array(pc.cast(label, pa.float32()).to_numpy(zero_copy_only=False), dtype=np.float32)
         dense = np.zeros((n, len(self.dense_columns)), dtype=np.float32)
         for j, col in enumerate(self.dense_columns):
             dense[:, j] = pc.fill_null(pc.cast(rb.column(col), pa.float32()), 0.0).to_numpy(zero_copy_only=False)
@@ -303,7 +304,7 @@ class ParquetRecDataset(IterableDataset[Batch]):
             values.append(vals)
             if weighted:
                 weights.append(w if w is not None else np.ones(vals.shape[0], dtype=np.float32))
-        return _Rows(labels.astype(np.float32, copy=False), dense, lengths, values, weights if weighted else None)
+        return _Rows(labels, dense, lengths, values, weights if weighted else None)
 
     @staticmethod
     def _sparse(
