@@ -75,7 +75,14 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark in benchmarks/, each printing one JSON line per measurement."""
+    """Every benchmark in benchmarks/, each printing one JSON line per measurement.
+
+    ``nox -s bench -- sharded_training.py --steps 10`` runs one script with its own flags.
+    """
     _install(session, "pipeline", ["matplotlib"])
+    if session.posargs:
+        script, *flags = session.posargs
+        session.run("python", str(Path("benchmarks") / Path(script).name), *flags)
+        return
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
-        session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+        session.run("python", str(script.relative_to(ROOT)))

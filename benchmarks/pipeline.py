@@ -145,7 +145,7 @@ class HostStageTimer:
 
     Replaces the module's ``forward`` with ``ShardedModule.forward``'s own steps, timed:
     ``input_dist`` and its two waits (bucketing, the id all-to-alls), then ``post_input_dist``
-    (dedup, id-table mapping, copy), then ``compute_and_output_dist`` (not counted).
+    (id-table mapping, copy), then ``compute_and_output_dist`` (not counted).
     """
 
     def __init__(self, module: ShardedHashEmbeddingBagCollection) -> None:
@@ -155,7 +155,8 @@ class HostStageTimer:
             start = time.perf_counter()
             ctx = module.create_context()
             received = module.input_dist(ctx, *inputs).wait().wait()
-            mapped = module.post_input_dist(ctx, received)
+            # As a plain loop maps: inline, no pins (post_input_dist pins: it maps ahead).
+            mapped = module._post_input_dist(ctx, received, pin=False)
             self.seconds += time.perf_counter() - start
             return module.compute_and_output_dist(ctx, mapped)
 

@@ -126,12 +126,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def quiet_library_warnings() -> None:
     """Silence warnings that TorchRec 1.8 and torch give about their own internals.
 
-    Deprecations inside TorchRec's collectives and DDP wrapper, planner hints, and TorchRec's
-    first-batch check that ids lie in ``[0, num_embeddings)``: raw int64 ids never do, and the
-    id tables map them to rows.
+    Deprecations inside TorchRec's collectives and DDP wrapper, and planner hints. (TorchRec's
+    first-batch range check on raw ids is already filtered by recsdk-sharding.)
     """
     warnings.filterwarnings("ignore", category=FutureWarning)
-    for name in ("torch.fx._symbolic_trace", "torchrec.distributed.planner", "torchrec.sparse.jagged_tensor_validator"):
+    for name in ("torch.fx._symbolic_trace", "torchrec.distributed.planner"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

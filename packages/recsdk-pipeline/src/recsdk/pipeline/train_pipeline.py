@@ -1,7 +1,7 @@
 """``HybridTrainPipelineSparseDist``: TorchRec's sparse-dist pipeline with a host thread.
 
 Per batch, a sharded :class:`~recsdk.embedding.HashEmbeddingBagCollection` has a host
-stage (bucket the raw ids by owner, the id all-to-alls over the host gloo group, dedup and
+stage (bucket the raw ids by owner, the id all-to-alls over the host gloo group, the
 id-table mapping in ``post_input_dist``, the copy of the row indices to the device) and a
 device stage (lookup, output dist, the dense model, backward, optimizer step). This
 pipeline runs the host stages of the next ``pipe_n_batch`` batches on one background
@@ -96,7 +96,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     forward, backward and the optimizer step of one batch on the calling thread, while one
     background thread runs the host stages of the next ``pipe_n_batch`` batches: the
     sharded modules' ``input_dist`` (bucketing, the splits and id all-to-alls over the host
-    group) and ``post_input_dist`` (dedup, id-table mapping, copy to the device). The
+    group) and ``post_input_dist`` (id-table mapping, copy to the device). The
     embeddings are read at forward time, so a pipelined run gives the same losses and
     weights as the plain loop ``loss, out = model(batch); loss.backward();
     optimizer.step(); optimizer.zero_grad()`` over the same batches. Rows referenced by
