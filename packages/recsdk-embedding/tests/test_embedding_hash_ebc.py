@@ -241,6 +241,26 @@ def test_attach_optimizer_resets_adagrad_state_of_reused_rows() -> None:
     assert not torch.equal(results[False], expected)  # the stale Adagrad sum slows the reused row
 
 
+def test_features_of_one_table_pool_by_their_own_presence() -> None:
+    # "a" has rows for all its ids, "b" (same table) misses one: each feature takes its own pooling path.
+    model = HashEmbeddingBagCollection(tables=_configs(PoolingType.MEAN))
+    seen = [1, 2, 3]
+    model(KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=torch.tensor(seen), lengths=torch.tensor([3, 0, 0])))
+    model.eval()
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=KEYS, values=torch.tensor([1, 2, 3, 404, 3]), lengths=torch.tensor([2, 1, 2, 0, 0, 0])
+    )
+    out = model(kjt).values()
+    weight = model.embedding_bags["t0"].weight
+    r1, r2, r3 = model.id_tables["t0"].find(torch.tensor(seen)).tolist()
+    expected_a = torch.nn.functional.embedding_bag(
+        torch.tensor([r1, r2, r3]), weight, torch.tensor([0, 2, 3]), mode="mean", include_last_offset=True
+    )
+    assert torch.equal(out[:2, :8], expected_a)
+    assert torch.equal(out[0, 8:16], weight[r3] / 2)  # 404 was never seen: no row, but it counts in the mean
+    assert torch.equal(out[1, 8:16], torch.zeros(8))  # an empty bag
+
+
 def test_eval_finds_only_and_changes_no_table_state() -> None:
     model = HashEmbeddingBagCollection(tables=_configs(eviction=LRUEviction()))
     g = torch.Generator().manual_seed(3)

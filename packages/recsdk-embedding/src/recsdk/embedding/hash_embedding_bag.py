@@ -185,9 +185,9 @@ class HashEmbeddingBagCollection(EmbeddingBagCollection):
             assert isinstance(cfg, HashEmbeddingBagConfig)
             weight = bag.weight
             jts = [feature_dict[n] for n in cfg.feature_names]
-            rows = self._map_ids(cfg, weight, [jt.values() for jt in jts])
-            for jt, feature_rows in zip(jts, rows, strict=True):
-                pooled.append(self._pool(cfg, weight, jt, feature_rows).float())
+            rows, all_present = self._map_ids(cfg, weight, [jt.values() for jt in jts])
+            for jt, feature_rows, feature_all_present in zip(jts, rows, all_present, strict=True):
+                pooled.append(self._pool(cfg, weight, jt, feature_rows, feature_all_present).float())
         return KeyedTensor(
             keys=self._embedding_names,
             values=process_pooled_embeddings(pooled_embeddings=pooled, inverse_indices=inverse_indices),
@@ -233,8 +233,13 @@ class HashEmbeddingBagCollection(EmbeddingBagCollection):
 
     def _map_ids(
         self, cfg: HashEmbeddingBagConfig, weight: torch.Tensor, values: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Rows (on the weight's device) of each feature's ids; reassigned rows are re-initialised."""
+    ) -> tuple[list[torch.Tensor], list[bool]]:
+        """Rows (on the weight's device) of each feature's ids, and whether each feature has a row for all its ids.
+
+        Reassigned rows are re-initialised. The "all present" flags are computed on the id table's
+        device (the host, usually) before the rows move, in one transfer per table, so pooling never
+        waits on the accelerator to decide which path to take.
+        """
         table = self._id_tables[cfg.name]
         if table.device.type == "meta":
             if weight.device.type == "meta":
@@ -253,25 +258,29 @@ class HashEmbeddingBagCollection(EmbeddingBagCollection):
                     pending.setdefault(cfg.name, []).append(reassigned)
         else:
             rows = table.find(ids)
+        parts = [rows] if len(values) == 1 else list(rows.split([v.numel() for v in values]))
+        all_present = [bool(p) for p in torch.stack([(part >= 0).all() for part in parts]).tolist()]
         rows = rows.to(weight.device)
         if len(values) == 1:
-            return [rows]
-        return list(rows.split([v.numel() for v in values]))
+            return [rows], all_present
+        return list(rows.split([v.numel() for v in values])), all_present
 
     def _pool(
-        self, cfg: HashEmbeddingBagConfig, weight: torch.Tensor, jt: JaggedTensor, rows: torch.Tensor
+        self, cfg: HashEmbeddingBagConfig, weight: torch.Tensor, jt: JaggedTensor, rows: torch.Tensor, all_present: bool
     ) -> torch.Tensor:
         offsets = jt.offsets().to(torch.int64)
         psw = jt.weights() if self._is_weighted else None
         mean = cfg.pooling == PoolingType.MEAN
-        present = rows >= 0
-        if bool(present.all()):
+        if all_present:
             if mean and psw is None:
                 return F.embedding_bag(rows, weight, offsets, mode="mean", include_last_offset=True)
             out = F.embedding_bag(rows, weight, offsets, mode="sum", include_last_offset=True, per_sample_weights=psw)
         else:
+            present = rows >= 0
             lengths = offsets.diff()
-            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths)
+            bag = torch.repeat_interleave(
+                torch.arange(lengths.numel(), device=rows.device), lengths, output_size=rows.numel()
+            )
             kept = torch.bincount(bag[present], minlength=lengths.numel())
             kept_offsets = torch.cat([offsets.new_zeros(1), kept.cumsum(0)])
             out = F.embedding_bag(
