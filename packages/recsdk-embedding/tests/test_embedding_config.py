@@ -6,7 +6,14 @@ from typing import Any
 import pytest
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from recsdk.embedding import CountAdmission, HashEmbeddingBagConfig, LFUEviction, LRUEviction, TTLEviction
+from recsdk.embedding import (
+    CountAdmission,
+    HashEmbeddingBagConfig,
+    IdTable,
+    LFUEviction,
+    LRUEviction,
+    TTLEviction,
+)
 
 
 def _config(**kw: Any) -> HashEmbeddingBagConfig:
@@ -43,6 +50,29 @@ def test_invalid_configs_name_the_table(kw: dict[str, Any], error: type[Exceptio
     with pytest.raises(error, match=match) as info:
         _config(**kw)
     assert "'clicks'" in str(info.value)
+
+
+def test_config_and_id_table_agree_on_capacity_and_policies() -> None:
+    # A config that validates must build its id table, and both reject the same things in the same words.
+    limit = 2**31 - 2
+    assert _config(num_embeddings=limit).num_embeddings == IdTable(limit, device="meta").capacity
+    with pytest.raises(ValueError, match=rf"'clicks': num_embeddings must be <= {limit}, got {limit + 1}"):
+        _config(num_embeddings=limit + 1)
+    with pytest.raises(ValueError, match=rf"IdTable 'clicks': capacity must be in \[1, {limit}\], got {limit + 1}"):
+        IdTable(limit + 1, device="meta", name="clicks")
+    for kw, tail in (
+        ({"admission": LRUEviction()}, "admission must be a CountAdmission or None, got LRUEviction"),
+        (
+            {"eviction": CountAdmission(2)},
+            "eviction must be LRUEviction, LFUEviction, TTLEviction or None, got CountAdmission",
+        ),
+    ):
+        with pytest.raises(TypeError) as from_config:
+            _config(**kw)
+        with pytest.raises(TypeError) as from_table:
+            IdTable(4, name="clicks", **kw)
+        assert str(from_config.value) == f"HashEmbeddingBagConfig 'clicks': {tail}"
+        assert str(from_table.value) == f"IdTable 'clicks': {tail}"
 
 
 def test_empty_name_is_rejected() -> None:

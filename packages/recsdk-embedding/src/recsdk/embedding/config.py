@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from recsdk.embedding.policies import EVICTION_POLICY_TYPES, CountAdmission, EvictionPolicy
+from recsdk.embedding.id_table import _MAX_CAPACITY
+from recsdk.embedding.policies import CountAdmission, EvictionPolicy, check_policies
 
 __all__ = ["HashEmbeddingBagConfig"]
 
@@ -52,8 +53,8 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
                 raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}")
             if value <= 0:
                 raise ValueError(f"{where}: {field} must be > 0, got {value}")
-        if self.num_embeddings > 2**31 - 2:
-            raise ValueError(f"{where}: num_embeddings must be <= {2**31 - 2}, got {self.num_embeddings}")
+        if self.num_embeddings > _MAX_CAPACITY:
+            raise ValueError(f"{where}: num_embeddings must be <= {_MAX_CAPACITY}, got {self.num_embeddings}")
         if self.embedding_dim % 4:
             raise ValueError(
                 f"{where}: embedding_dim must be a multiple of 4 (the fused CPU embedding kernel needs it), "
@@ -70,11 +71,5 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
             raise ValueError(f"{where}: feature names must be distinct, repeated: {dups}")
         if self.pooling not in _POOLINGS:
             raise ValueError(f"{where}: pooling must be PoolingType.SUM or PoolingType.MEAN, got {self.pooling}")
-        if self.admission is not None and not isinstance(self.admission, CountAdmission):
-            raise TypeError(f"{where}: admission must be a CountAdmission or None, got {type(self.admission).__name__}")
-        if self.eviction is not None and not isinstance(self.eviction, EVICTION_POLICY_TYPES):
-            raise TypeError(
-                f"{where}: eviction must be LRUEviction, LFUEviction, TTLEviction or None, "
-                f"got {type(self.eviction).__name__}"
-            )
+        check_policies(where, self.admission, self.eviction)
         super().__post_init__()

@@ -28,13 +28,7 @@ import torch
 
 from recsdk.embedding.count_sketch import CountMinSketch
 from recsdk.embedding.hashing import fmix64
-from recsdk.embedding.policies import (
-    EVICTION_POLICY_TYPES,
-    CountAdmission,
-    EvictionPolicy,
-    LFUEviction,
-    TTLEviction,
-)
+from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, TTLEviction, check_policies
 
 __all__ = ["IdTable", "TableFullError"]
 
@@ -122,15 +116,7 @@ class IdTable:
             raise TypeError(f"IdTable '{name}': capacity must be an int, got {type(capacity).__name__}")
         if not 1 <= capacity <= _MAX_CAPACITY:
             raise ValueError(f"IdTable '{name}': capacity must be in [1, {_MAX_CAPACITY}], got {capacity}")
-        if admission is not None and not isinstance(admission, CountAdmission):
-            raise TypeError(
-                f"IdTable '{name}': admission must be a CountAdmission or None, got {type(admission).__name__}"
-            )
-        if eviction is not None and not isinstance(eviction, EVICTION_POLICY_TYPES):
-            raise TypeError(
-                f"IdTable '{name}': eviction must be LRUEviction, LFUEviction, TTLEviction or None, "
-                f"got {type(eviction).__name__}"
-            )
+        check_policies(f"IdTable '{name}'", admission, eviction)
         self._name = name
         self._capacity = capacity
         self._device = torch.device(device)

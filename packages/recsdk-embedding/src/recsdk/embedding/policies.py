@@ -105,3 +105,16 @@ class TTLEviction:
 
 EvictionPolicy = LRUEviction | LFUEviction | TTLEviction
 EVICTION_POLICY_TYPES = (LRUEviction, LFUEviction, TTLEviction)
+
+
+def check_policies(where: str, admission: object, eviction: object) -> None:
+    """Raise ``TypeError`` naming ``where`` unless the policies are of known types (or None).
+
+    Shared by :class:`~recsdk.embedding.HashEmbeddingBagConfig` and :class:`~recsdk.embedding.IdTable`.
+    """
+    if admission is not None and not isinstance(admission, CountAdmission):
+        raise TypeError(f"{where}: admission must be a CountAdmission or None, got {type(admission).__name__}")
+    if eviction is not None and not isinstance(eviction, EVICTION_POLICY_TYPES):
+        raise TypeError(
+            f"{where}: eviction must be LRUEviction, LFUEviction, TTLEviction or None, got {type(eviction).__name__}"
+        )
