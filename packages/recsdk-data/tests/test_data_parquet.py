@@ -251,7 +251,8 @@ def test_bad_column_types_and_values(tmp_path: Path) -> None:
         ({"sparse_columns": []}, ValueError, r"sparse_columns must not be empty"),
         ({"dense_columns": ["x", "x"]}, ValueError, r"dense_columns must be distinct"),
         ({"label_column": ""}, TypeError, r"label_column must be a non-empty str"),
-        ({"drop_last": "yes"}, TypeError, r"drop_last must be a bool"),
+        ({"drop_last": "yes"}, TypeError, r"drop_last must be a bool, got str 'yes'"),
+        ({"drop_last": 0}, TypeError, r"drop_last must be a bool, got int 0"),
         ({"rank": 2, "world_size": 2}, ValueError, r"rank must be in \[0, world_size=2\), got 2"),
     ],
 )

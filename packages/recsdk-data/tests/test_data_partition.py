@@ -20,6 +20,8 @@ def test_defaults_without_torch_distributed() -> None:
         (-1, 2, ValueError, r"rank must be in \[0, world_size=2\), got -1"),
         (0, 0, ValueError, r"world_size must be >= 1, got 0"),
         (0.0, 2, TypeError, r"rank must be an int, got float"),
+        (0, True, TypeError, r"world_size must be an int, got bool True"),
+        (0, "2", TypeError, r"world_size must be an int, got str '2'"),
     ],
 )
 def test_bad_rank_world_size(rank: object, world_size: object, error: type, pattern: str) -> None:

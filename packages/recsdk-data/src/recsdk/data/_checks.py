@@ -20,6 +20,13 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else TypeError naming ``name`` (0 / 1 / strings are not bools)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_number(name: str, value: Any, *, minimum: float | None = None, strict: bool = False) -> float:
     """``value`` as a finite float ``>= minimum`` (``> minimum`` when ``strict``)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data._checks import check_choice, check_int, check_paths
+from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
 from recsdk.data._synthetic import gaussian_from_hash, power_law_indices, seed_words
 from recsdk.data.batch import Batch
 from recsdk.data.hashing import mix64
@@ -340,9 +340,7 @@ class CriteoDataset(IterableDataset[Batch]):
         self.rank, self.world_size = rank, world_size
         self.shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, minimum=0)
         self.seed = check_int("seed", seed, minimum=0)
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__} {drop_last!r}")
-        self.drop_last = drop_last
+        self.drop_last = check_bool("drop_last", drop_last)
         self.on_bad_line = check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
         self.block_size = check_int("block_size", block_size, minimum=1024)
         self.epoch = 0

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data._checks import check_choice, check_int, check_names, check_paths
+from recsdk.data._checks import check_bool, check_choice, check_int, check_names, check_paths
 from recsdk.data.batch import Batch
 from recsdk.data.hashing import hash_strings
 from recsdk.data.partition import check_rank_and_world_size, current_shard
@@ -192,9 +192,7 @@ class ParquetRecDataset(IterableDataset[Batch]):
         self.weight_columns = weights
         check_rank_and_world_size(rank, world_size)
         self.rank, self.world_size = rank, world_size
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__} {drop_last!r}")
-        self.drop_last = drop_last
+        self.drop_last = check_bool("drop_last", drop_last)
         self.shard_by = check_choice("shard_by", shard_by, SHARD_BY)
         self._columns = list(
             dict.fromkeys([label_column, *self.dense_columns, *self.sparse_columns, *self.weight_columns.values()])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.utils.data
 
+from recsdk.data._checks import check_int
+
 __all__ = ["check_rank_and_world_size", "current_shard", "current_worker", "resolve_rank_and_world_size"]
 
 
@@ -28,11 +30,8 @@ def check_rank_and_world_size(rank: int | None, world_size: int | None) -> None:
         raise ValueError(f"give both rank and world_size or neither; got rank={rank!r}, world_size={world_size!r}")
     if rank is None or world_size is None:
         return
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_int("rank", rank)
+    check_int("world_size", world_size, minimum=1)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
 
