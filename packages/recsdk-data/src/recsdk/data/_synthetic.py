@@ -7,6 +7,8 @@ import math
 import numpy as np
 import numpy.typing as npt
 
+from recsdk.data.hashing import mix64
+
 
 def seed_words(seed: int, tag: int, count: int) -> npt.NDArray[np.uint64]:
     """``count`` 64-bit words derived from ``(seed, tag)`` only."""
@@ -22,6 +24,17 @@ def gaussian_from_hash(h: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
     u1 = (hi + 0.5) / 2.0**32  # in (0, 1)
     u2 = lo / 2.0**32
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def scrambled_ids(indices: npt.NDArray[np.int64], salt: np.uint64) -> npt.NDArray[np.int64]:
+    """Raw ids ``mix64(indices + salt)`` (the sum wraps modulo ``2**64``): distinct indices give distinct ids."""
+    with np.errstate(over="ignore"):
+        return mix64(indices.view(np.uint64) + salt)
+
+
+def hash_gaussian(x: npt.NDArray[np.int64], salt: np.int64) -> npt.NDArray[np.float64]:
+    """One N(0, 1) value per element, fixed by ``(x, salt)``: :func:`gaussian_from_hash` of ``mix64(x ^ salt)``."""
+    return gaussian_from_hash(mix64(x ^ salt))
 
 
 def power_law_indices(rng: np.random.Generator, n: int, id_range: int, alpha: float) -> npt.NDArray[np.int64]:

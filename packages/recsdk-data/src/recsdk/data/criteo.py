@@ -18,9 +18,8 @@ from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
-from recsdk.data._synthetic import gaussian_from_hash, power_law_indices, seed_words
+from recsdk.data._synthetic import hash_gaussian, power_law_indices, scrambled_ids, seed_words
 from recsdk.data.batch import Batch
-from recsdk.data.hashing import mix64
 from recsdk.data.partition import check_rank_and_world_size, current_shard
 
 __all__ = [
@@ -517,12 +516,11 @@ def _synthetic_rows(
     logit = np.full(n, -1.0)
     for j, vocab in enumerate(_SYNTH_VOCAB):
         idx = power_law_indices(rng, n, vocab, 1.1)
-        with np.errstate(over="ignore"):
-            raw = mix64(idx.view(np.uint64) + id_salts[j]).view(np.uint64)
+        raw = scrambled_ids(idx, id_salts[j]).view(np.uint64)
         ids = (raw & np.uint64(0xFFFFFFFF)).astype(np.uint32)
         valid = rng.random(n) >= _SYNTH_CAT_MISSING
         if j < 6:  # the teacher reads six categorical columns ...
-            w = 1.2 * gaussian_from_hash(mix64(ids.astype(np.int64) ^ w_salts[j]))
+            w = 1.2 * hash_gaussian(ids.astype(np.int64), w_salts[j])
             logit += np.where(valid, w, 0.0)
         cats.append((ids, valid))
     for j in range(3):  # ... and three integer columns

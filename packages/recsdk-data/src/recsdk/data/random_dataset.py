@@ -13,9 +13,9 @@ from torch.utils.data import IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data._checks import check_choice, check_int, check_names, check_number
-from recsdk.data._synthetic import gaussian_from_hash, power_law_indices, seed_words
+from recsdk.data._synthetic import hash_gaussian, power_law_indices, scrambled_ids, seed_words
 from recsdk.data.batch import Batch
-from recsdk.data.hashing import mix64, unmix64
+from recsdk.data.hashing import unmix64
 from recsdk.data.partition import check_rank_and_world_size, current_worker, resolve_rank_and_world_size
 
 __all__ = ["RandomRecDataset"]
@@ -171,8 +171,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         return power_law_indices(rng, n, id_range, self.zipf_alpha)
 
     def _ids(self, f: int, indices: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        with np.errstate(over="ignore"):
-            return mix64(indices.view(np.uint64) + self._id_salts[f])
+        return scrambled_ids(indices, self._id_salts[f])
 
     def _indices(self, f: int, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         with np.errstate(over="ignore"):
@@ -197,8 +196,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         for f, (lens, idx) in enumerate(zip(lengths, indices, strict=True)):
             if idx.size == 0:
                 continue
-            h = mix64(idx ^ self._weight_salts[f])
-            w = self._weight_std * gaussian_from_hash(h)
+            w = self._weight_std * hash_gaussian(idx, self._weight_salts[f])
             sums = np.bincount(np.repeat(rows, lens), weights=w, minlength=batch_size)
             logits = logits + sums / np.maximum(lens, 1)
         return logits
