@@ -51,6 +51,8 @@ def test_to_moves_every_tensor_and_keeps_weights() -> None:
     back = batch.to("cpu")
     assert torch.equal(back.dense_features, batch.dense_features)
     assert torch.equal(back.sparse_features.weights(), batch.sparse_features.weights())
+    assert back is batch  # already there: no new Batch
+    assert batch.to(torch.device("cpu"), non_blocking=True) is batch
 
 
 def test_pin_memory_and_record_stream_on_cpu() -> None:

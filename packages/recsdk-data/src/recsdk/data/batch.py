@@ -103,16 +103,24 @@ class Batch(Pipelineable):
         return int(self.dense_features.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """A copy on ``device`` (``self`` if all tensors are already there).
+        """A copy on ``device``, or ``self`` if all tensors are already there.
+
+        "There" is an exact match: a batch on ``cuda:0`` asked for ``"cuda"`` is copied (to the same tensors).
 
         Args:
             device (torch.device | str): the target device.
-            non_blocking (bool): asynchronous copy where the source is pinned.
+            non_blocking (bool): asynchronous copy where the source is pinned (irrelevant when nothing moves).
 
         Returns:
             Batch: the batch on ``device``.
         """
         device = torch.device(device)
+        if (
+            self.dense_features.device == device
+            and self.labels.device == device
+            and self.sparse_features.device() == device
+        ):
+            return self
         return Batch(
             dense_features=self.dense_features.to(device=device, non_blocking=non_blocking),
             sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),

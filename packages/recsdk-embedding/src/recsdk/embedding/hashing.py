@@ -4,10 +4,11 @@ The mixer is MurmurHash3's ``fmix64`` finaliser applied to ``id ^ salt``, comput
 wraparound arithmetic (logical right shifts are emulated with a mask), so it runs on any device
 torch supports and gives the same values everywhere.
 
-It is deliberately a different function from the SplitMix64 finaliser that ``recsdk.data`` uses
-to scramble ids: if a rank's ids were selected by one mixer (``owner(id) = mix(id) % world_size``),
-reusing that same mixer for slots would leave the low bits of every slot on that rank equal and
-crowd the table.
+The salts are what keep different uses of the mixer unrelated: ``recsdk.sharding.owner`` picks an
+id's rank with this same ``fmix64`` salted with ``OWNER_SALT`` (reduced modulo the world size), and
+the id table hashes slots with :data:`TABLE_SALT`. Were the salts equal, the ids owned by one rank
+would share the low bits of their slot hash and crowd that rank's table. (``recsdk.data``'s
+SplitMix64 ``mix64`` only generates synthetic ids; it plays no part in placement.)
 """
 
 from __future__ import annotations
