@@ -452,7 +452,6 @@ class IdTable:
         taken = self._row_state[rows] == _OCCUPIED
         if bool(taken.any()):
             raise ValueError(f"IdTable '{self._name}': insert_at row {int(rows[taken][0])} already holds an id")
-        self._ensure_slot_room(n)
         keep = torch.ones(self._capacity, dtype=torch.bool, device=self._device)
         keep[rows] = False
         stack = self._free[: self._free_top]
