@@ -29,6 +29,9 @@ class DistributedTestError(RuntimeError):
 
 
 _PRELOAD = ["torch", "torch.distributed", "torchrec", "fbgemm_gpu"]
+# After one rank fails, how long the others get to report their own errors (a loaded 2-core
+# machine can take seconds) before they are killed.
+_FAILURE_GRACE_S = 30.0
 
 
 def free_port() -> int:
@@ -157,14 +160,14 @@ def run_distributed(
                 for r in dead:
                     failures[r] = f"rank {r} exited with code {procs[r].exitcode} before reporting a result"
                 if failures and grace_deadline is None:
-                    grace_deadline = time.monotonic() + 10.0
+                    grace_deadline = time.monotonic() + _FAILURE_GRACE_S
                 continue
             if ok:
                 outputs[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 if grace_deadline is None:
-                    grace_deadline = time.monotonic() + 10.0
+                    grace_deadline = time.monotonic() + _FAILURE_GRACE_S
     finally:
         for p in procs:
             p.join(timeout=5.0 if not failures else 0.5)
