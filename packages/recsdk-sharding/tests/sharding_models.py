@@ -10,10 +10,16 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
-from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders
+from recsdk.sharding import (
+    HybridEmbeddingEnumerator,
+    ShardedHashEmbeddingBagCollection,
+    get_default_hybrid_sharders,
+    sharded_hash_modules,
+)
 
 
 def tables(
@@ -94,3 +100,33 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     pos = labels > 0.5
     n_pos, n_neg = int(pos.sum()), int((~pos).sum())
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def sharded_hash_ebc(model: nn.Module) -> ShardedHashEmbeddingBagCollection:
+    """The one sharded HashEBC of a test model."""
+    found = list(sharded_hash_modules(model).values())
+    assert len(found) == 1, [type(m).__name__ for m in model.modules()]
+    return found[0]
+
+
+def const_init(weight: torch.Tensor) -> torch.Tensor:
+    """The same initial embedding for every row: sharded and unsharded runs (which give ids
+    different rows) then start from identical embeddings per id."""
+    with torch.no_grad():
+        return weight.copy_(torch.linspace(-0.1, 0.1, weight.shape[-1]).expand_as(weight))
+
+
+def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank ``rank``'s contiguous slice of a global batch (every rank gets B / world_size samples)."""
+    b = batch.batch_size // world_size
+    lo, hi = rank * b, (rank + 1) * b
+    kjt = batch.sparse_features
+    per_key = kjt.to_dict()
+    lengths, values = [], []
+    for key in kjt.keys():
+        jt = per_key[key]
+        offsets = jt.offsets()
+        lengths.append(jt.lengths()[lo:hi])
+        values.append(jt.values()[offsets[lo] : offsets[hi]])
+    local = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
+    return Batch(batch.dense_features[lo:hi], local, batch.labels[lo:hi])

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import torch
-from sharding_models import SparseNN, shard
+from sharding_models import SparseNN, shard, sharded_hash_ebc
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -110,7 +110,7 @@ def _train(ddp_model, optimizer, batches) -> list[float]:
 
 
 def _sebc(ddp_model) -> ShardedHashEmbeddingBagCollection:
-    return next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+    return sharded_hash_ebc(ddp_model)
 
 
 def _snapshot(ddp_model, optimizer) -> dict[str, Any]:

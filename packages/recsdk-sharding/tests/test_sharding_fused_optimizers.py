@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharding_models import SparseNN, shard, tables
+from sharding_models import SparseNN, const_init, rank_slice, shard, sharded_hash_ebc, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -12,7 +12,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
-from recsdk.sharding import ShardedHashEmbeddingBagCollection
 
 VOCAB, STEPS = 64, 8
 OPTIMIZERS = {
@@ -21,11 +20,6 @@ OPTIMIZERS = {
     "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.1, "eps": 0.01}),
     "adam": (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6}),
 }
-
-
-def _const_init(weight: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return weight.copy_(torch.linspace(-0.1, 0.1, weight.shape[-1]).expand_as(weight))
 
 
 def _global_batch(step: int) -> Batch:
@@ -38,19 +32,9 @@ def _global_batch(step: int) -> Batch:
     return Batch(torch.randn(VOCAB, 4, generator=g), kjt, torch.randint(0, 2, (VOCAB,), generator=g).float())
 
 
-def _local(batch: Batch, rank: int, world_size: int) -> Batch:
-    b = batch.batch_size // world_size
-    lo, hi = rank * b, (rank + 1) * b
-    per_key = [batch.sparse_features[k].values()[lo:hi] for k in batch.sparse_features.keys()]
-    kjt = KeyedJaggedTensor(
-        keys=batch.sparse_features.keys(), values=torch.cat(per_key), lengths=torch.ones(2 * b, dtype=torch.int64)
-    )
-    return Batch(batch.dense_features[lo:hi], kjt, batch.labels[lo:hi])
-
-
 def _model(device: str) -> SparseNN:
     torch.manual_seed(3)
-    return SparseNN(tables(capacity=256, dims=(8, 4), init_fn=_const_init), num_dense=4, device=device)
+    return SparseNN(tables(capacity=256, dims=(8, 4), init_fn=const_init), num_dense=4, device=device)
 
 
 def _sharded_run(rank: int, world_size: int, name: str) -> dict:
@@ -63,9 +47,9 @@ def _sharded_run(rank: int, world_size: int, name: str) -> dict:
         constraints={t: ParameterConstraints(sharding_types=["row_wise"]) for t in ("t0", "t1")},
     )
     for step in range(STEPS):
-        loss, _ = ddp_model(_local(_global_batch(step), rank, world_size))
+        loss, _ = ddp_model(rank_slice(_global_batch(step), rank, world_size))
         loss.backward()  # the embeddings' optimizer runs inside backward; dense layers stay fixed
-    sebc = next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+    sebc = sharded_hash_ebc(ddp_model)
     weights = {}
     for table_name, table in sebc.id_tables.items():
         ids, rows = table.ids_and_rows()
@@ -111,7 +95,7 @@ def test_fused_optimizer_trains_and_exposes_state(name: str) -> None:
         for state_name in expected_state[name]:
             assert any(k.endswith(state_name) for k in r["state_keys"]), r["state_keys"]
     reference = _unsharded_reference(name)
-    init = _const_init(torch.empty(1, 8))[0]
+    init = const_init(torch.empty(1, 8))[0]
     for table_name, ref in reference.items():
         merged = {}
         for r in per_rank:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharding_models import SparseNN, shard, tables
+from sharding_models import SparseNN, shard, sharded_hash_ebc, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -39,7 +39,7 @@ def _sharded(rank: int, capacity: int, **policies) -> tuple[torch.nn.Module, Sha
     model = SparseNN(tables(capacity=capacity, dims=(8, 8), **policies), num_dense=4, device="meta")
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.01, "eps": 0.1})
     ddp_model = shard(model, batch_size=16, constraints=ROW_WISE)
-    sebc = next(m for m in ddp_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection))
+    sebc = sharded_hash_ebc(ddp_model)
     return ddp_model, sebc
 
 

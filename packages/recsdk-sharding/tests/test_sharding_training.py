@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from sharding_models import SparseNN, auc, shard, tables
+from sharding_models import SparseNN, auc, const_init, rank_slice, shard, sharded_hash_ebc, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -16,7 +16,6 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsdk.data import Batch, RandomRecDataset
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection
-from recsdk.sharding import ShardedHashEmbeddingBagCollection
 
 FEATURES = ["f0", "f1"]
 
@@ -34,12 +33,6 @@ def _dataset(rank: int, world_size: int, num_batches: int, batch_size: int, samp
         rank=rank,
         world_size=world_size,
     )
-
-
-def _sharded_hash_ebc(model: torch.nn.Module) -> ShardedHashEmbeddingBagCollection:
-    found = [m for m in model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection)]
-    assert len(found) == 1, [type(m).__name__ for m in model.modules()]
-    return found[0]
 
 
 def _seed_flow(rank: int, world_size: int) -> dict:
@@ -74,7 +67,7 @@ def _seed_flow(rank: int, world_size: int) -> dict:
         dist.all_gather(gathered[1], y)
         return auc(torch.cat(gathered[0]), torch.cat(gathered[1]))
 
-    sebc = _sharded_hash_ebc(ddp_model)
+    sebc = sharded_hash_ebc(ddp_model)
     auc_before = eval_auc()
     assert sum(len(t) for t in sebc.id_tables.values()) == 0, "eval inserted ids"
     losses = []
@@ -123,33 +116,8 @@ def test_seed_flow_trains_to_rising_auc_and_eval_inserts_nothing() -> None:
     assert results[0]["auc_after"] == pytest.approx(results[1]["auc_after"])
 
 
-def _const_init(weight: torch.Tensor) -> torch.Tensor:
-    # The same initial embedding for every id, so that sharded and unsharded runs (which give
-    # ids different rows) start from identical embeddings per id.
-    with torch.no_grad():
-        return weight.copy_(torch.linspace(-0.1, 0.1, weight.shape[-1]).expand_as(weight))
-
-
 def _global_batches(num_batches: int, batch_size: int) -> list[Batch]:
     return list(_dataset(0, 1, num_batches, batch_size, sample_seed=3))
-
-
-def _split(batch: Batch, rank: int, world_size: int) -> Batch:
-    """Rank `rank`'s contiguous slice of a global batch."""
-    b = batch.batch_size // world_size
-    lo, hi = rank * b, (rank + 1) * b
-    kjt = batch.sparse_features
-    per_key = kjt.to_dict()
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    lengths, values = [], []
-    for key in kjt.keys():
-        jt = per_key[key]
-        offsets = jt.offsets()
-        lengths.append(jt.lengths()[lo:hi])
-        values.append(jt.values()[offsets[lo] : offsets[hi]])
-    local = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(batch.dense_features[lo:hi], local, batch.labels[lo:hi])
 
 
 STEPS, GLOBAL_BATCH = 20, 64
@@ -159,7 +127,7 @@ def _model_for_equivalence(device: str) -> SparseNN:
     torch.manual_seed(1)
     # Only the embeddings are stepped (the dense layers keep their seeded initial values in
     # both runs), so both runs solve the same problem.
-    return SparseNN(tables(capacity=2048, init_fn=_const_init), num_dense=4, device=device)
+    return SparseNN(tables(capacity=2048, init_fn=const_init), num_dense=4, device=device)
 
 
 def _embeddings_per_id_sharded(rank: int, world_size: int, sharding_type: str) -> dict:
@@ -173,9 +141,9 @@ def _embeddings_per_id_sharded(rank: int, world_size: int, sharding_type: str) -
     constraints = {t: ParameterConstraints(sharding_types=[sharding_type]) for t in ("t0", "t1")}
     ddp_model = shard(model, batch_size=GLOBAL_BATCH // world_size, constraints=constraints)
     for batch in _global_batches(STEPS, GLOBAL_BATCH):
-        loss, _ = ddp_model(_split(batch, rank, world_size))
+        loss, _ = ddp_model(rank_slice(batch, rank, world_size))
         loss.backward()
-    sebc = _sharded_hash_ebc(ddp_model)
+    sebc = sharded_hash_ebc(ddp_model)
     slices = sebc._table_slices()
     out = {}
     for name, table in sebc.id_tables.items():
@@ -214,7 +182,7 @@ def test_sharded_training_equals_unsharded_per_id(sharding_type: str) -> None:
         assert set(merged) == set(ref), f"table {name}: sharded and unsharded store different ids"
         worst = max(float((merged[i] - ref[i]).abs().max()) for i in ref)
         assert worst <= 1e-5, f"table {name}: max abs difference {worst}"
-        moved = max(float((ref[i] - _const_init(torch.empty(1, ref[i].numel()))[0]).abs().max()) for i in ref)
+        moved = max(float((ref[i] - const_init(torch.empty(1, ref[i].numel()))[0]).abs().max()) for i in ref)
         assert moved > 1e-3, "embeddings did not train"
 
 
@@ -239,7 +207,7 @@ def _train_a_few_steps(rank: int, world_size: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-    sebc = _sharded_hash_ebc(ddp_model)
+    sebc = sharded_hash_ebc(ddp_model)
     return {"losses": losses, "stored": {n: len(t) for n, t in sebc.id_tables.items()}}
 
 

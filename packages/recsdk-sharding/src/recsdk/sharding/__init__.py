@@ -15,6 +15,7 @@ from recsdk.sharding.sharded_hash_embedding_bag import (
     HostRwPooledEmbeddingSharding,
     HostTwPooledEmbeddingSharding,
     ShardedHashEmbeddingBagCollection,
+    sharded_hash_modules,
 )
 from recsdk.sharding.sharders import (
     HashEmbeddingBagCollectionSharder,
@@ -45,5 +46,6 @@ __all__ = [
     "load_checkpoint",
     "owner",
     "save_checkpoint",
+    "sharded_hash_modules",
     "validate_host_env",
 ]

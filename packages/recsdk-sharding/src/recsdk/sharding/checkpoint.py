@@ -45,7 +45,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, OptimizerWra
 
 from recsdk.embedding import HashEmbeddingBagCollection
 from recsdk.sharding.owner import owner
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection, sharded_hash_modules
 
 __all__ = ["CHECKPOINT_MANIFEST", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -122,17 +122,14 @@ def _root(model: nn.Module) -> nn.Module:
 
 def _hash_modules(model: nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:
     """Sharded HashEBCs by FQN (as in ``model.state_dict()`` keys); rejects unsharded HashEBCs."""
-    found: dict[str, ShardedHashEmbeddingBagCollection] = {}
     for fqn, module in _root(model).named_modules():
-        if isinstance(module, ShardedHashEmbeddingBagCollection):
-            found[fqn] = module
-        elif isinstance(module, HashEmbeddingBagCollection):
+        if isinstance(module, HashEmbeddingBagCollection) and not isinstance(module, ShardedHashEmbeddingBagCollection):
             raise TypeError(
                 f"module {fqn or '<root>'!r} is an unsharded HashEmbeddingBagCollection: checkpoints cover hash "
                 "tables sharded by DistributedModelParallel with recsdk's sharders "
                 "(get_default_hybrid_sharders); shard the model first"
             )
-    return found
+    return sharded_hash_modules(model)
 
 
 def _host_group(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> dist.ProcessGroup | None:

@@ -25,6 +25,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
     replace_placement_with_meta_device,
 )
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
@@ -40,6 +41,7 @@ __all__ = [
     "HostRwPooledEmbeddingSharding",
     "HostTwPooledEmbeddingSharding",
     "ShardedHashEmbeddingBagCollection",
+    "sharded_hash_modules",
 ]
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
@@ -589,3 +591,23 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         slices[name] = (weights[i], table_states)
             self._tbe_slices = slices
         return self._tbe_slices
+
+
+def sharded_hash_modules(model: torch.nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:
+    """The sharded HashEBCs of a model, by fully qualified name.
+
+    Looks inside ``DistributedModelParallel`` (names as in ``model.module.state_dict()``).
+
+    Args:
+        model (nn.Module): a ``DistributedModelParallel`` or any module.
+
+    Returns:
+        dict[str, ShardedHashEmbeddingBagCollection]: FQN -> module, in module order.
+
+    Example::
+
+        for fqn, sebc in sharded_hash_modules(ddp_model).items():
+            print(fqn, sebc.stats())
+    """
+    root = model.module if isinstance(model, DistributedModelParallel) else model
+    return {fqn: m for fqn, m in root.named_modules() if isinstance(m, ShardedHashEmbeddingBagCollection)}
