@@ -26,7 +26,7 @@ from torchrec.distributed.embeddingbag import (
     replace_placement_with_meta_device,
 )
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer
@@ -35,6 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, init_rows_
 from recsdk.sharding.host_adam import HostAdamOptimizer, HostAdamTable, adam_params_from_fused, as_sgd_lr1, is_adam
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
 
 __all__ = [
     "HashEmbeddingBagCollectionContext",
@@ -98,6 +99,14 @@ class HostRwPooledEmbeddingSharding(_HostGroupSharding, RwPooledEmbeddingShardin
 
     def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
         return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
+
+    def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
+        """On a gloo group, :class:`AllToAllPooledEmbeddingDist` (gloo's reduce-scatter is slow)."""
+        if self._pg is not None and dist.get_backend(self._pg) == dist.Backend.GLOO:
+            return AllToAllPooledEmbeddingDist(
+                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
+            )
+        return super().create_output_dist(device)
 
 
 class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):

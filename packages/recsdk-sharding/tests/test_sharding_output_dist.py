@@ -1,0 +1,72 @@
+"""AllToAllPooledEmbeddingDist: the row-wise output dist recsdk uses on gloo.
+
+It must give what TorchRec's reduce-scatter dist gives (same sums forward, same gradients,
+including TorchRec's division by the world size), and also take unequal batch sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
+
+from recsdk.data.testing import run_distributed
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
+
+DIM = 8
+
+
+def _partials(rank: int, splits: list[int]) -> torch.Tensor:
+    """This rank's partial pooled sums for every rank's samples, ``[sum(splits), DIM]``."""
+    return torch.randn(sum(splits), DIM, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _out_grad(rank: int, batch: int) -> torch.Tensor:
+    return torch.randn(batch, DIM, generator=torch.Generator().manual_seed(200 + rank))
+
+
+def _run(dist_cls: type, rank: int, splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _partials(rank, splits).requires_grad_()
+    ctx = EmbeddingShardingContext(batch_size_per_rank=splits)
+    out = dist_cls(dist.group.WORLD, embedding_dims=[DIM])(x, ctx).wait()
+    (out * _out_grad(rank, splits[rank])).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad
+
+
+def _against_torchrec(rank: int, world_size: int) -> dict[str, float]:
+    splits = [5] * world_size
+    ours, our_grad = _run(AllToAllPooledEmbeddingDist, rank, splits)
+    theirs, their_grad = _run(RwPooledEmbeddingDist, rank, splits)
+    return {
+        "out": float((ours - theirs).abs().max()),
+        "grad": float((our_grad - their_grad).abs().max()),
+        "shape": list(ours.shape),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_dist_matches_torchrec_reduce_scatter(world_size: int) -> None:
+    for rank, r in enumerate(run_distributed(_against_torchrec, world_size, timeout_s=60)):
+        assert r["shape"] == [5, DIM], rank
+        assert r["out"] <= 1e-6, (rank, r)  # sums of the same partials, in another order
+        assert r["grad"] == 0.0, (rank, r)  # same gradients, divided by the world size as TorchRec does
+
+
+def _unequal(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(AllToAllPooledEmbeddingDist, rank, [3, 6, 1][:world_size])
+
+
+def test_all_to_all_dist_takes_unequal_batches() -> None:
+    splits = [3, 6, 1]
+    results = run_distributed(_unequal, 3, timeout_s=60)
+    partials = [_partials(r, splits) for r in range(3)]
+    starts = [0, 3, 9]
+    for rank, (out, grad) in enumerate(results):
+        a, b = starts[rank], starts[rank] + splits[rank]
+        torch.testing.assert_close(out, sum(p[a:b] for p in partials))
+        # My partials for rank j's samples get rank j's output gradient, divided by the world size.
+        expected = torch.cat([_out_grad(j, splits[j]) for j in range(3)]) / 3
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
