@@ -12,11 +12,13 @@ Two ranks on gloo, the same DLRM-style model and the same batches, in one run:
   sharding) fed the same ids remapped offline to ``0..N-1``. Target: >= 1.0x.
 
 Variants alternate (``--rounds``); each line gives the median samples/s of each side (all ranks
-together) and the median over rounds of their ratio within a round. On a machine with few cores
-the overlap comes only from the host thread running while the calling thread waits (or leaves a
-core idle); the numbers are what was measured.
+together) and the median over rounds of their ratio within a round. The plain-loop line also
+gives the share of the machine's cores the plain loop and the pipeline keep busy (CPU seconds of
+all threads of all ranks over wall seconds and cores): overlap can only fill idle cores, so with
+the same CPU work the pipeline gains at most ``overlap_ceiling`` = 1 / the plain loop's share.
+With several ranks per host each rank runs one intra-op thread, as under ``torchrun``.
 
-    python benchmarks/pipeline.py [--batch-size 1024] [--steps 10] [--rounds 7] [--pipe-n-batch 2]
+    python benchmarks/pipeline.py [--batch-size 1024] [--steps 20] [--rounds 7] [--pipe-n-batch 2]
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -173,13 +177,20 @@ def _plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[
     return step
 
 
-def _timed(step: Callable[[Iterator[Batch]], Any], it: Iterator[Batch], steps: int) -> float:
+def _cpu_seconds() -> float:
+    """CPU time of this process, all its threads (gloo's and the host thread included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(step: Callable[[Iterator[Batch]], Any], it: Iterator[Batch], steps: int) -> tuple[float, float]:
+    """Wall seconds of ``steps`` steps, and the CPU seconds this rank used meanwhile."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     for _ in range(steps):
         step(it)
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu_seconds() - cpu_start
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -203,18 +214,20 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
         "torchrec_pipeline": (torchrec.progress, itertools.cycle(remapped)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_seconds: dict[str, list[float]] = {name: [] for name in variants}
     host_fraction: list[float] = []
     for step, it in variants.values():  # warm-up: first inserts, model rewrite, allocator
         _timed(step, it, args.warmup)
     for _ in range(args.rounds):
         for name, (step, it) in variants.items():
             timer.seconds = 0.0
-            elapsed = _timed(step, it, args.steps)
+            elapsed, cpu = _timed(step, it, args.steps)
             seconds[name].append(elapsed)
+            cpu_seconds[name].append(cpu)
             if name == "plain_loop":
                 host_fraction.append(timer.seconds / elapsed)
     hybrid.close()
-    return {"seconds": seconds, "host_fraction": host_fraction}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "host_fraction": host_fraction}
 
 
 def main() -> None:
@@ -229,9 +242,11 @@ def main() -> None:
     parser.add_argument("--pipe-n-batch", type=int, default=2)
     parser.add_argument("--distinct-batches", type=int, default=16, help="batches generated per rank, cycled")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (0: one per rank, as under torchrun)"
+    )
     args = parser.parse_args()
 
     per_rank = run_distributed(_bench, args.world_size, args, timeout_s=600)
@@ -250,6 +265,15 @@ def main() -> None:
         return statistics.median(b / a for a, b in zip(round_seconds(name), round_seconds(baseline), strict=True))
 
     host_fraction = statistics.median(f for r in per_rank for f in r["host_fraction"])
+    cores = os.cpu_count() or 1
+
+    def cpu_busy(name: str) -> float:
+        # Share of the machine's cores busy during a round (all ranks' processes together).
+        return statistics.median(
+            sum(r["cpu_seconds"][name][i] for r in per_rank) / (s * cores) for i, s in enumerate(round_seconds(name))
+        )
+
+    plain_busy = cpu_busy("plain_loop")
     common = {
         "benchmark": "pipeline",
         "world_size": args.world_size,
@@ -262,7 +286,20 @@ def main() -> None:
     }
     hybrid = rate("hybrid_pipeline")
     for case, baseline, target, extra in (
-        ("hybrid_pipeline_vs_plain_loop", "plain_loop", 1.3, {"host_stage_fraction": round(host_fraction, 3)}),
+        (
+            "hybrid_pipeline_vs_plain_loop",
+            "plain_loop",
+            1.3,
+            {
+                "host_stage_fraction": round(host_fraction, 3),
+                # Overlap only fills idle cores: with the same CPU work, the pipeline can gain
+                # at most 1 / (busy share of the plain loop).
+                "cpu_cores": cores,
+                "plain_loop_cpu_busy": round(plain_busy, 3),
+                "hybrid_pipeline_cpu_busy": round(cpu_busy("hybrid_pipeline"), 3),
+                "overlap_ceiling": round(1 / plain_busy, 3),
+            },
+        ),
         ("hybrid_pipeline_vs_torchrec_pipeline", "torchrec_pipeline", 1.0, {}),
     ):
         base = rate(baseline)

@@ -8,6 +8,7 @@ fused kernels and the pooled output dist over the default group.
 from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist, bucketize_by_owner
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, GlooRwPooledEmbeddingSharding
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.sharded_hash_embedding_bag import (
@@ -20,6 +21,7 @@ from recsdk.sharding.sharded_hash_embedding_bag import (
 from recsdk.sharding.sharders import (
     HashEmbeddingBagCollectionSharder,
     HybridEmbeddingBagCollectionSharder,
+    HybridShardedEmbeddingBagCollection,
     get_default_hybrid_sharders,
     validate_host_env,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "CHECKPOINT_MANIFEST",
     "EXPORT_MANIFEST",
     "OWNER_SALT",
+    "AllToAllPooledEmbeddingDist",
+    "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",
     "HostRwPooledEmbeddingSharding",
@@ -35,6 +39,7 @@ __all__ = [
     "HostTwSparseFeaturesDist",
     "HybridEmbeddingBagCollectionSharder",
     "HybridEmbeddingEnumerator",
+    "HybridShardedEmbeddingBagCollection",
     "IdTableStorageEstimator",
     "OwnerSparseFeaturesDist",
     "ShardedHashEmbeddingBagCollection",

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable
 
-__all__ = ["AllToAllPooledEmbeddingDist"]
+__all__ = ["AllToAllPooledEmbeddingDist", "GlooRwPooledEmbeddingSharding"]
 
 
 class _SumReceivedPartials(torch.autograd.Function):
@@ -109,3 +109,20 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
         else:
             splits = [local_embs.shape[0] // world_size] * world_size
         return _AllToAllPooledAwaitable(local_embs, splits, self._pg)
+
+
+class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """TorchRec's row-wise pooled sharding, with :class:`AllToAllPooledEmbeddingDist` on gloo.
+
+    On any other backend (nccl, hccl) the output dist is TorchRec's reduce-scatter.
+
+    Args:
+        as TorchRec's ``RwPooledEmbeddingSharding``.
+    """
+
+    def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
+        if self._pg is not None and dist.get_backend(self._pg) == dist.Backend.GLOO:
+            return AllToAllPooledEmbeddingDist(
+                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
+            )
+        return super().create_output_dist(device)

@@ -26,7 +26,6 @@ from torchrec.distributed.embeddingbag import (
     replace_placement_with_meta_device,
 )
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer
@@ -35,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, init_rows_
 from recsdk.sharding.host_adam import HostAdamOptimizer, HostAdamTable, adam_params_from_fused, as_sgd_lr1, is_adam
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
+from recsdk.sharding.output_dist import GlooRwPooledEmbeddingSharding
 
 __all__ = [
     "HashEmbeddingBagCollectionContext",
@@ -88,8 +87,11 @@ class _HostGroupSharding:
         self._host_pg = host_pg
 
 
-class HostRwPooledEmbeddingSharding(_HostGroupSharding, RwPooledEmbeddingSharding):
+class HostRwPooledEmbeddingSharding(_HostGroupSharding, GlooRwPooledEmbeddingSharding):
     """Row-wise sharding whose input dist buckets raw ids by owner over the host group.
+
+    The pooled output dist is :class:`~recsdk.sharding.GlooRwPooledEmbeddingSharding`'s: an
+    all-to-all on gloo, TorchRec's reduce-scatter otherwise.
 
     Args:
         sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
@@ -99,14 +101,6 @@ class HostRwPooledEmbeddingSharding(_HostGroupSharding, RwPooledEmbeddingShardin
 
     def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
         return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
-
-    def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
-        """On a gloo group, :class:`AllToAllPooledEmbeddingDist` (gloo's reduce-scatter is slow)."""
-        if self._pg is not None and dist.get_backend(self._pg) == dist.Backend.GLOO:
-            return AllToAllPooledEmbeddingDist(
-                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
-            )
-        return super().create_output_dist(device)
 
 
 class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):

@@ -6,16 +6,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+    replace_placement_with_meta_device,
+)
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.sharding.output_dist import GlooRwPooledEmbeddingSharding
 from recsdk.sharding.sharded_hash_embedding_bag import SUPPORTED_SHARDING_TYPES, ShardedHashEmbeddingBagCollection
 
 __all__ = [
     "HashEmbeddingBagCollectionSharder",
     "HybridEmbeddingBagCollectionSharder",
+    "HybridShardedEmbeddingBagCollection",
     "get_default_hybrid_sharders",
     "validate_host_env",
 ]
@@ -104,11 +112,38 @@ class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ShardedHashEmbeddingBagCollection
 
 
+class HybridShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """TorchRec's ``ShardedEmbeddingBagCollection`` whose row-wise output dist suits gloo.
+
+    Row-wise tables use :class:`~recsdk.sharding.GlooRwPooledEmbeddingSharding` (an all-to-all
+    instead of gloo's slow reduce-scatter; TorchRec's reduce-scatter on other backends); every
+    other sharding type is TorchRec's. Built by :class:`HybridEmbeddingBagCollectionSharder`.
+    """
+
+    @classmethod
+    def create_embedding_bag_sharding(  # type: ignore[override]
+        cls,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+    ) -> EmbeddingSharding:
+        if sharding_infos[0].param_sharding.sharding_type != ShardingType.ROW_WISE.value:
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings, qcomm_codecs_registry
+            )
+        if device is not None and device.type == "meta":
+            replace_placement_with_meta_device(sharding_infos)
+        return GlooRwPooledEmbeddingSharding(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+
+
 class HybridEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """TorchRec's ``EmbeddingBagCollectionSharder`` that also offers row-wise on CPU and NPU.
 
     TorchRec offers row-wise sharding only for CUDA; its row-wise sharding itself runs on any
-    device, so this sharder lists it everywhere.
+    device, so this sharder lists it everywhere. It builds
+    :class:`HybridShardedEmbeddingBagCollection` (row-wise output dist as an all-to-all on gloo).
 
     Args:
         fused_params (dict | None): fused kernel parameters.
@@ -121,9 +156,28 @@ class HybridEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             types.append(ShardingType.ROW_WISE.value)
         return types
 
+    def shard(  # type: ignore[override]
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> HybridShardedEmbeddingBagCollection:
+        return HybridShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
     @property
-    def sharded_module_type(self) -> type[ShardedEmbeddingBagCollection]:
-        return ShardedEmbeddingBagCollection
+    def sharded_module_type(self) -> type[HybridShardedEmbeddingBagCollection]:  # type: ignore[override]
+        return HybridShardedEmbeddingBagCollection
 
 
 def get_default_hybrid_sharders(
