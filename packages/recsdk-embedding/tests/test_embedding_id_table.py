@@ -19,6 +19,8 @@ from recsdk.embedding.hashing import fmix64_reference
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
+pytestmark = pytest.mark.usefixtures("index_kind")
+
 
 def _random_ids(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -297,13 +299,34 @@ def test_meta_table_allocates_nothing_and_refuses_lookups() -> None:
         table.find(torch.tensor([1]))
 
 
-def test_bytes_per_row_stay_under_48_at_8m_capacity() -> None:
+def test_bytes_per_row_stay_under_48_at_8m_capacity(index_kind: str) -> None:
     capacity = 8 << 20
+    if index_kind == "fbgemm":  # CPU: 1.4 slots of 16 bytes per row, whatever the capacity
+        table = IdTable(capacity, eviction=LFUEviction())
+        assert table.num_slots == -(-capacity * 14 // 10)
+        assert table.memory_bytes / capacity <= 48
+        return
     table = IdTable(capacity, device="meta", eviction=LFUEviction())
     assert table.memory_bytes / capacity <= 48
     worst = IdTable((1 << 22) // 3 * 2 + 1, device="meta")  # 1.5x capacity just above 2**22: 12 slot bytes per row
     assert worst.num_slots == 1 << 23
     assert worst.memory_bytes / worst.capacity <= 48
+
+
+def test_both_indexes_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index only maps ids to rows: rows come from the free stack, so both agree exactly."""
+    from recsdk.embedding import slot_index
+
+    fast = IdTable(700, eviction=LRUEviction(), name="fast")
+    monkeypatch.setattr(slot_index, "_use_fbgemm", lambda: False)
+    plain = IdTable(700, eviction=LRUEviction(), name="plain")
+    specials = torch.tensor([-1, INT64_MIN, INT64_MAX, 0, -2])
+    for seed in range(12):  # 12 x 300 ids through 700 rows: eviction, tombstones and rehashes
+        batch = torch.cat([_random_ids(300, seed), specials]) if seed % 3 == 0 else _random_ids(300, seed)
+        assert torch.equal(fast.find_or_insert(batch), plain.find_or_insert(batch))
+        assert torch.equal(fast.take_reassigned_rows(), plain.take_reassigned_rows())
+    probe = torch.cat([_random_ids(300, 11), _random_ids(300, 1), specials])
+    assert torch.equal(fast.find(probe), plain.find(probe))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

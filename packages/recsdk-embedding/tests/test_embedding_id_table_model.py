@@ -23,6 +23,7 @@ from recsdk.embedding import (
     LRUEviction,
     TableFullError,
     TTLEviction,
+    slot_index,
 )
 
 INT64_MIN = -(2**63)
@@ -220,4 +221,15 @@ IdTableMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestIdTableAgainstModel = IdTableMachine.TestCase
+TestIdTableAgainstModel = IdTableMachine.TestCase  # on CPU: FBGEMM's hash index
+
+
+class TestIdTableAgainstModelTorchIndex(IdTableMachine.TestCase):  # type: ignore[misc,valid-type]
+    """The same sequences with the torch-ops index (the one CUDA and NPU tables use)."""
+
+    def setUp(self) -> None:
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(slot_index, "_use_fbgemm", lambda: False)
+
+    def tearDown(self) -> None:
+        self._patch.undo()

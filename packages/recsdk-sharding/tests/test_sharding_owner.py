@@ -2,7 +2,8 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.sharding import bucketize_by_owner, owner
+from recsdk.embedding.hashing import fmix64_reference
+from recsdk.sharding import OWNER_SALT, bucketize_by_owner, owner
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -16,6 +17,14 @@ def test_every_id_has_exactly_one_owner_in_range(world_size: int) -> None:
     # A function of the id alone: the same id always lands on the same rank.
     assert torch.equal(owner(ids.flip(0), world_size).flip(0), owners)
     assert torch.equal(owner(ids.to(torch.int32), world_size), owner(ids.to(torch.int32).to(torch.int64), world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8])
+def test_owner_is_the_documented_function(world_size: int) -> None:
+    # Checkpoints reshard by owner: its values may never change (the power-of-two fast path included).
+    ids = [INT64_MIN, INT64_MAX, 0, -1, 1, 12345, -(10**15), 2**40 + 7]
+    expected = [(fmix64_reference(i, OWNER_SALT) & (2**63 - 1)) % world_size for i in ids]
+    assert owner(torch.tensor(ids), world_size).tolist() == expected
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -2,43 +2,33 @@
 
 Layout (all torch tensors on the table's device, so every operation is whole-batch):
 
-* an open-addressing hash table of ``num_slots`` int32 slots (a power of two, at least 1.5x the
-  capacity), each holding a row, ``-1`` (empty) or ``-2`` (tombstone). The key of a slot is
-  ``row_id[row]``, so a slot costs 4 bytes. Occupancy lives in the slot value and in the per-row
-  state, never in the key, so every int64 value is a valid id.
+* a hash index from id to row (:mod:`recsdk.embedding.slot_index`): on CPU, FBGEMM's native
+  pruned-hashmap kernels (linear probing over ``(key, row)`` pairs, 1.4 slots per row); on other
+  devices, double hashing in torch ops over int32 slots (a power of two, at least 1.5 slots per
+  row). Occupancy lives in the per-row state, never in the key alone, so every int64 value is a
+  valid id. Removal leaves a tombstone, and the table rehashes when stored ids plus tombstones
+  pass 80% of the slots.
 * per row: ``row_id`` (int64), ``row_state`` (int8: never used / occupied / freed after use),
   ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts), and a
   stack of free rows (int32).
-
-An id's probe sequence is ``home + k * stride (mod num_slots)`` (double hashing: ``home`` from the
-low bits of ``fmix64(id)``, an odd ``stride`` from its high bits). Lookups run in rounds over the
-whole batch: each round reads the current slot of every unresolved id, and only the ids that
-neither matched nor reached an empty slot go on to the next round. New ids claim free slots round
-by round: every candidate writes its row into the slot it reached, reads it back, and the losers
-probe on. Removal leaves a tombstone; insertions reuse tombstones, and a rehash clears them when
-occupied plus tombstone slots pass 80% of the slots.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from recsdk.embedding.count_sketch import CountMinSketch
-from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, TTLEviction, check_policies
+from recsdk.embedding.slot_index import FbgemmSlotIndex, TorchSlotIndex, make_slot_index
 
 __all__ = ["IdTable", "TableFullError"]
 
-_EMPTY = -1
-_TOMBSTONE = -2
 _NEVER_USED = 0
 _OCCUPIED = 1
 _RETIRED = 2  # free again, but its embedding row holds a former id's values
 _MAX_CAPACITY = 2**31 - 2
-_SLOTS_PER_ROW = 1.5
 _MAX_SLOT_LOAD = 0.8  # rehash before occupied + tombstone slots pass this fraction
 _INT32_MAX = 2**31 - 1
 _STAT_NAMES = ("inserts", "evictions", "admission_rejects", "lookups", "hits")
@@ -64,10 +54,6 @@ class TableFullError(RuntimeError):
     """
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(1, math.ceil(math.log2(max(n, 2))))
-
-
 class IdTable:
     """Collision-free map from raw int64 ids to rows in ``[0, capacity)``.
 
@@ -90,9 +76,10 @@ class IdTable:
             full; None raises :class:`TableFullError` instead.
         name (str): table name, used in errors and statistics.
 
-    Memory: ``4 * num_slots`` bytes of slots (``num_slots`` is the power of two at or above
-    ``1.5 * capacity``, so 6 to 12 bytes per row) plus 25 bytes per row, plus the admission
-    counters (``4 * counter_slots`` bytes, fixed). :attr:`memory_bytes` gives the exact figure.
+    Memory: the hash index (on CPU 16 bytes per slot, ``ceil(1.4 * capacity)`` slots, so 22.4
+    bytes per row; elsewhere 4 bytes per slot, the power of two at or above ``1.5 * capacity``
+    slots, so 6 to 12 bytes per row) plus 25 bytes per row, plus the admission counters
+    (``4 * counter_slots`` bytes, fixed). :attr:`memory_bytes` gives the exact figure.
 
     Example::
 
@@ -122,15 +109,13 @@ class IdTable:
         self._device = torch.device(device)
         self._admission = admission
         self._eviction = eviction
-        self._num_slots = _next_pow2(math.ceil(capacity * _SLOTS_PER_ROW))
-        self._slot_mask = self._num_slots - 1
         self._sketch: CountMinSketch | None = None
         if admission is not None and admission.threshold > 1:
             width = admission.counter_slots // admission.num_hashes
             self._sketch = CountMinSketch(width, admission.num_hashes, admission.threshold, self._device)
         self._free_top: int
         self._size: int
-        self._tombstones: int
+        self._index: TorchSlotIndex | FbgemmSlotIndex
         self._step: int
         self._idle_floor: int  # no occupied row has last_step below this
         self._reassigned: list[torch.Tensor]  # rows reassigned since the last take (may repeat)
@@ -172,14 +157,13 @@ class IdTable:
 
     @property
     def num_slots(self) -> int:
-        """Size of the open-addressing slot array."""
-        return self._num_slots
+        """Number of slots of the hash index (see :mod:`recsdk.embedding.slot_index`)."""
+        return self._index.num_slots
 
     @property
     def memory_bytes(self) -> int:
         """Bytes held by the table's tensors: slots, per-row arrays and admission counters."""
         tensors = [
-            self._slots,
             self._row_id,
             self._row_state,
             self._last_step_buf,
@@ -189,7 +173,7 @@ class IdTable:
         ]
         if self._sketch is not None:
             tensors.append(self._sketch.counters)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return self._index.memory_bytes + sum(t.numel() * t.element_size() for t in tensors)
 
     def __len__(self) -> int:
         return self._size
@@ -591,8 +575,8 @@ class IdTable:
     def _allocate(self) -> None:
         dev = self._device
         cap = self._capacity
-        self._slots = torch.full((self._num_slots,), _EMPTY, dtype=torch.int32, device=dev)
         self._row_id = torch.zeros(cap, dtype=torch.int64, device=dev)
+        self._index = make_slot_index(cap, dev, self._row_id)
         self._row_state = torch.zeros(cap, dtype=torch.int8, device=dev)
         # One spare entry at index ``capacity`` absorbs writes for ids without a row.
         self._last_step_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
@@ -604,7 +588,6 @@ class IdTable:
         self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int32, device=dev)  # pops 0, 1, 2, ...
         self._free_top = cap
         self._size = 0
-        self._tombstones = 0
         self._step = 0
         self._idle_floor = 0
         self._reassigned = []
@@ -651,90 +634,27 @@ class IdTable:
         self._pins_buf[self._capacity] = 0
         return idx
 
-    def _stride(self, hashes: torch.Tensor) -> torch.Tensor:
-        """Probe stride from the high 32 bits of the hash: odd, so a probe visits every slot."""
-        return (
-            torch.bitwise_right_shift(hashes, 32).bitwise_and_(0xFFFFFFFF).bitwise_or_(1).bitwise_and_(self._slot_mask)
-        )
-
-    def _probe_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """First slot and stride of each id's probe sequence ``home + k * stride (mod num_slots)``."""
-        h = fmix64(ids)
-        return h.bitwise_and(self._slot_mask), self._stride(h)
-
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
         n = ids.numel()
         if n == 0 or self._size == 0:
             return torch.full((n,), -1, dtype=torch.int64, device=self._device)
-        # Round one covers the whole batch; index_select and int32 arithmetic keep it cheap.
-        h = fmix64(ids)
-        pos = h.bitwise_and(self._slot_mask)
-        slot = self._slots.index_select(0, pos)
-        match = self._row_id.index_select(0, slot.clamp(min=0)) == ids
-        match &= slot >= 0
-        rows = (slot + 1).mul_(match).sub_(1)  # int32: the row where matched, else -1
-        idx = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)  # batch positions still probing
-        pos = pos.index_select(0, idx)
-        stride = self._stride(h.index_select(0, idx))
-        while idx.numel():
-            pos.add_(stride).bitwise_and_(self._slot_mask)
-            slot = self._slots.index_select(0, pos)
-            match = self._row_id.index_select(0, slot.clamp(min=0)) == ids.index_select(0, idx)
-            match &= slot >= 0
-            found = match.nonzero().squeeze(1)
-            rows.index_copy_(0, idx.index_select(0, found), slot.index_select(0, found))
-            keep = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)
-            idx = idx.index_select(0, keep)
-            pos = pos.index_select(0, keep)
-            stride = stride.index_select(0, keep)
-        return rows.long()
-
-    def _slots_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Slot index of each occupied row (int64 ``[n]`` in, int64 ``[n]`` out)."""
-        out = torch.empty_like(rows)
-        if rows.numel() == 0:
-            return out
-        target = rows.to(torch.int32)
-        pos, stride = self._probe_start(self._row_id.index_select(0, rows))
-        idx = torch.arange(rows.numel(), device=self._device)
-        while idx.numel():
-            found = self._slots.index_select(0, pos) == target
-            out[idx[found]] = pos[found]
-            keep = (~found).nonzero().squeeze(1)
-            idx, target, stride = idx.index_select(0, keep), target.index_select(0, keep), stride.index_select(0, keep)
-            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._slot_mask)
-        return out
-
-    def _claim_slots(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``rows`` into free slots along the probe paths of ``ids`` (distinct ids, none stored)."""
-        pos, stride = self._probe_start(ids)
-        cand = rows.to(torch.int32)
-        while pos.numel():
-            before = self._slots.index_select(0, pos)
-            free = (before < 0).nonzero().squeeze(1)
-            # Concurrent writers to one slot: one value lands, the others see it and probe on.
-            self._slots.index_copy_(0, pos.index_select(0, free), cand.index_select(0, free))
-            won = self._slots.index_select(0, pos) == cand
-            self._tombstones -= int((won & (before == _TOMBSTONE)).sum())
-            keep = (~won).nonzero().squeeze(1)
-            cand, stride = cand.index_select(0, keep), stride.index_select(0, keep)
-            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._slot_mask)
+        return self._index.lookup(ids)
 
     def _ensure_slot_room(self, incoming: int) -> None:
-        if self._size + self._tombstones + incoming > _MAX_SLOT_LOAD * self._num_slots:
+        if self._size + self._index.tombstones + incoming > _MAX_SLOT_LOAD * self._index.num_slots:
             self._rehash()
 
     def _rehash(self) -> None:
-        self._slots.fill_(_EMPTY)
-        self._tombstones = 0
+        self._index.clear()
         rows = (self._row_state == _OCCUPIED).nonzero().squeeze(1)
-        self._claim_slots(self._row_id[rows], rows)
+        if rows.numel():
+            self._index.insert(self._row_id[rows], rows)
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None:
         """Store distinct new ids at rows already taken off the free stack."""
         self._ensure_slot_room(ids.numel())
-        self._claim_slots(ids, rows)
+        self._index.insert(ids, rows)
         self._row_id[rows] = ids
         self._row_state[rows] = _OCCUPIED
         self._last_step[rows] = step
@@ -757,9 +677,7 @@ class IdTable:
 
     def _free_rows(self, rows: torch.Tensor) -> None:
         """Remove the ids of distinct occupied ``rows`` and push the rows on the free stack."""
-        slots = self._slots_of_rows(rows)
-        self._slots[slots] = _TOMBSTONE
-        self._tombstones += rows.numel()
+        self._index.remove(self._row_id[rows], rows)
         self._row_state[rows] = _RETIRED
         n = rows.numel()
         self._free[self._free_top : self._free_top + n] = rows.to(torch.int32)

@@ -42,4 +42,8 @@ def owner(ids: torch.Tensor, world_size: int) -> torch.Tensor:
         raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
     if world_size == 1:
         return torch.zeros_like(ids, dtype=torch.int64)
-    return torch.remainder(fmix64(ids.to(torch.int64), salt=OWNER_SALT) & _LOW63, world_size)
+    h = fmix64(ids.to(torch.int64), salt=OWNER_SALT)
+    if world_size & (world_size - 1) == 0:
+        # A power of two: the low bits are the non-negative remainder (int64 remainder is slow on CPU).
+        return h.bitwise_and_(world_size - 1)
+    return torch.remainder(h.bitwise_and_(_LOW63), world_size)

@@ -1,0 +1,230 @@
+"""The hash index of an :class:`~recsdk.embedding.IdTable`: id -> row, by open addressing.
+
+Two implementations with one interface, chosen by the table's device:
+
+* :class:`FbgemmSlotIndex` (CPU): FBGEMM's pruned-hashmap kernels (``pruned_hashmap_lookup`` /
+  ``pruned_hashmap_insert``), a native linear-probing table of ``(key, row)`` int64 pairs. One
+  kernel call maps a whole batch, so small batches cost microseconds instead of the dozens of
+  tensor ops a probing round takes in Python.
+* :class:`TorchSlotIndex` (any device): double hashing in torch tensor ops, in rounds over the
+  whole batch; a slot holds only a row (4 bytes) and the key is read from the table's ``row_id``.
+
+The table owns the per-row arrays and decides when to rehash (:meth:`clear`, then
+:meth:`insert` of every stored id); the index only maps ids to rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from recsdk.embedding.hashing import fmix64
+
+__all__ = ["FbgemmSlotIndex", "TorchSlotIndex", "fbgemm_index_available", "make_slot_index"]
+
+_EMPTY = -1
+_TOMBSTONE = -2
+# FBGEMM's kernels: key -1 marks an empty slot; a row of -1 in an insert means "skip", so a
+# removed id keeps its key with this row (a lookup reads it as absent, a re-insert overwrites it).
+_DEAD_ROW = -2
+_FBGEMM_SLOTS_PER_ROW = 1.4  # 16-byte slots: 22.4 bytes per row
+_TORCH_SLOTS_PER_ROW = 1.5  # 4-byte slots, rounded up to a power of two: 6 to 12 bytes per row
+
+
+def fbgemm_index_available() -> bool:
+    """Whether FBGEMM's CPU pruned-hashmap kernels are loaded (``fbgemm_gpu`` or ``fbgemm_gpu_cpu``)."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+    except ImportError:
+        return False
+    ops = torch.ops.fbgemm
+    return hasattr(ops, "pruned_hashmap_lookup") and hasattr(ops, "pruned_hashmap_insert")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(1, math.ceil(math.log2(max(n, 2))))
+
+
+class TorchSlotIndex:
+    """Double hashing in torch ops: ``num_slots`` int32 slots holding rows.
+
+    A slot holds a row, ``-1`` (empty) or ``-2`` (tombstone); its key is ``row_id[row]``. An id's
+    probe sequence is ``home + k * stride (mod num_slots)`` (``home`` from the low bits of
+    ``fmix64(id)``, an odd ``stride`` from its high bits). Lookups run in rounds over the whole
+    batch: each round reads the current slot of every unresolved id, and only the ids that
+    neither matched nor reached an empty slot go on. New ids claim free slots round by round:
+    every candidate writes its row into the slot it reached, reads it back, and the losers probe
+    on. Removal leaves a tombstone, which insertions reuse.
+
+    Args:
+        capacity (int): rows of the table.
+        device (torch.device): where the slots live.
+        row_id (torch.Tensor): the table's int64 ``[capacity]`` id per row (read, never written).
+    """
+
+    def __init__(self, capacity: int, device: torch.device, row_id: torch.Tensor) -> None:
+        self.num_slots = _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW))
+        self.tombstones = 0
+        self._mask = self.num_slots - 1
+        self._device = device
+        self._row_id = row_id
+        self._slots = torch.full((self.num_slots,), _EMPTY, dtype=torch.int32, device=device)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._slots.numel() * self._slots.element_size()
+
+    def clear(self) -> None:
+        self._slots.fill_(_EMPTY)
+        self.tombstones = 0
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
+        # Round one covers the whole batch; index_select and int32 arithmetic keep it cheap.
+        h = fmix64(ids)
+        pos = h.bitwise_and(self._mask)
+        slot = self._slots.index_select(0, pos)
+        match = self._row_id.index_select(0, slot.clamp(min=0)) == ids
+        match &= slot >= 0
+        rows = (slot + 1).mul_(match).sub_(1)  # int32: the row where matched, else -1
+        idx = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)  # batch positions still probing
+        pos = pos.index_select(0, idx)
+        stride = self._stride(h.index_select(0, idx))
+        while idx.numel():
+            pos.add_(stride).bitwise_and_(self._mask)
+            slot = self._slots.index_select(0, pos)
+            match = self._row_id.index_select(0, slot.clamp(min=0)) == ids.index_select(0, idx)
+            match &= slot >= 0
+            found = match.nonzero().squeeze(1)
+            rows.index_copy_(0, idx.index_select(0, found), slot.index_select(0, found))
+            keep = ((slot != _EMPTY) & ~match).nonzero().squeeze(1)
+            idx = idx.index_select(0, keep)
+            pos = pos.index_select(0, keep)
+            stride = stride.index_select(0, keep)
+        return rows.long()
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` into free slots along the probe paths of ``ids`` (distinct ids, none stored)."""
+        pos, stride = self._probe_start(ids)
+        cand = rows.to(torch.int32)
+        while pos.numel():
+            before = self._slots.index_select(0, pos)
+            free = (before < 0).nonzero().squeeze(1)
+            # Concurrent writers to one slot: one value lands, the others see it and probe on.
+            self._slots.index_copy_(0, pos.index_select(0, free), cand.index_select(0, free))
+            won = self._slots.index_select(0, pos) == cand
+            self.tombstones -= int((won & (before == _TOMBSTONE)).sum())
+            keep = (~won).nonzero().squeeze(1)
+            cand, stride = cand.index_select(0, keep), stride.index_select(0, keep)
+            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._mask)
+
+    def remove(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Remove stored ``ids`` (held at ``rows``), leaving tombstones."""
+        out = torch.empty_like(rows)
+        target = rows.to(torch.int32)
+        pos, stride = self._probe_start(ids)
+        idx = torch.arange(rows.numel(), device=self._device)
+        while idx.numel():
+            found = self._slots.index_select(0, pos) == target
+            out[idx[found]] = pos[found]
+            keep = (~found).nonzero().squeeze(1)
+            idx, target, stride = idx.index_select(0, keep), target.index_select(0, keep), stride.index_select(0, keep)
+            pos = pos.index_select(0, keep).add_(stride).bitwise_and_(self._mask)
+        self._slots[out] = _TOMBSTONE
+        self.tombstones += rows.numel()
+
+    def _stride(self, hashes: torch.Tensor) -> torch.Tensor:
+        """Probe stride from the high 32 bits of the hash: odd, so a probe visits every slot."""
+        return torch.bitwise_right_shift(hashes, 32).bitwise_and_(0xFFFFFFFF).bitwise_or_(1).bitwise_and_(self._mask)
+
+    def _probe_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """First slot and stride of each id's probe sequence ``home + k * stride (mod num_slots)``."""
+        h = fmix64(ids)
+        return h.bitwise_and(self._mask), self._stride(h)
+
+
+class FbgemmSlotIndex:
+    """FBGEMM's CPU pruned hashmap: ``num_slots`` ``(key, row)`` int64 pairs, linear probing.
+
+    The kernels reserve key ``-1`` for empty slots, so the id ``-1`` is kept aside in a Python
+    attribute. A removed id keeps its key with row ``-2`` (read as absent); such dead slots are
+    counted as tombstones until the table rehashes, and re-inserting the same id reuses its slot.
+
+    Args:
+        capacity (int): rows of the table.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.num_slots = max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW))
+        self.tombstones = 0
+        self._table = torch.full((self.num_slots, 2), _EMPTY, dtype=torch.int64)
+        self._table_offsets = torch.tensor([0, self.num_slots], dtype=torch.int64)
+        self._minus_one_row = -1  # row of the id -1, which the kernels cannot store
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._table.numel() * self._table.element_size()
+
+    def clear(self) -> None:
+        self._table.fill_(_EMPTY)
+        self.tombstones = 0
+        self._minus_one_row = -1
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
+        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
+        rows = torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, self._table, self._table_offsets)
+        rows.clamp_(min=-1)  # dead slots read -2
+        if self._minus_one_row >= 0:  # an absent -1 already reads -1
+            rows.masked_fill_(ids == -1, self._minus_one_row)
+        return rows
+
+    def insert(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store distinct ``ids`` (none stored) at ``rows``."""
+        ids, rows = self._set_aside(ids, rows, rows)
+        self._write(ids, rows)
+
+    def remove(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Remove stored ``ids`` (held at ``rows``); their slots stay dead until a rehash."""
+        ids, dead = self._set_aside(ids, torch.full_like(rows, _DEAD_ROW), torch.full_like(rows, -1))
+        self._write(ids, dead)
+        self.tombstones += ids.numel()
+
+    def _set_aside(
+        self, ids: torch.Tensor, rows: torch.Tensor, minus_one_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Handle the id -1 here (``minus_one_rows`` gives its new row); return the other ids."""
+        minus_one = ids == -1
+        if not bool(minus_one.any()):
+            return ids, rows
+        self._minus_one_row = int(minus_one_rows[minus_one][0])
+        keep = ~minus_one
+        return ids[keep], rows[keep]
+
+    def _write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if ids.numel() == 0:
+            return
+        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
+        torch.ops.fbgemm.pruned_hashmap_insert(ids, rows, offsets, self._table, self._table_offsets)
+
+
+def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -> TorchSlotIndex | FbgemmSlotIndex:
+    """The index for a table on ``device``: FBGEMM's kernels on CPU when loaded, torch ops otherwise.
+
+    Args:
+        capacity (int): rows of the table.
+        device (torch.device): the table's device.
+        row_id (torch.Tensor): the table's id per row (the torch index reads keys from it).
+
+    Returns:
+        TorchSlotIndex | FbgemmSlotIndex: an empty index.
+    """
+    if device.type == "cpu" and _use_fbgemm():
+        return FbgemmSlotIndex(capacity)
+    return TorchSlotIndex(capacity, device, row_id)
+
+
+def _use_fbgemm() -> bool:
+    # A function, so tests can run the torch index on CPU too.
+    return fbgemm_index_available()
