@@ -128,8 +128,8 @@ def test_count_admission_per_shard() -> None:
         assert r["stats"]["admission_rejects"] >= r["owned"]
 
 
-def _mapped_ahead_then_released(rank: int, world_size: int) -> dict:
-    _, sebc = _sharded(rank, capacity=256, eviction=LRUEviction())
+def _mapped_ahead_then_released(rank: int, world_size: int, evicting: bool) -> dict:
+    _, sebc = _sharded(rank, capacity=256, eviction=LRUEviction() if evicting else None)
     table = sebc.id_tables["t0"]
     batch = _batch(torch.arange(16, dtype=torch.int64) * 7919 + rank * 1000, seed=0)
     # What a pipeline's host stage does for a batch ahead of the one computing.
@@ -142,9 +142,16 @@ def _mapped_ahead_then_released(rank: int, world_size: int) -> dict:
 
 
 def test_rows_of_a_batch_in_flight_are_pinned_until_released() -> None:
-    for r in run_distributed(_mapped_ahead_then_released, 2, timeout_s=60):
+    for r in run_distributed(_mapped_ahead_then_released, 2, True, timeout_s=60):
         assert r["pinned"] == r["stored"] > 0
         assert r["after_release"] == 0
+
+
+def test_a_table_without_eviction_pins_nothing() -> None:
+    # It never frees a row by itself, so a batch in flight needs no protection (and pays nothing).
+    for r in run_distributed(_mapped_ahead_then_released, 2, False, timeout_s=60):
+        assert r["stored"] > 0
+        assert r["pinned"] == r["after_release"] == 0
 
 
 def _owed_reinit_of_batches_in_flight(rank: int, world_size: int) -> dict:

@@ -59,8 +59,9 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
     Attributes:
         ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
         batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
-        pinned_rows (dict[str, torch.Tensor]): per table, rows pinned for this batch (only when
-            it was mapped ahead of its compute, e.g. by a pipeline).
+        pinned_rows (dict[str, torch.Tensor]): per table with an eviction policy, rows pinned for
+            this batch, only when it was mapped ahead of its compute (e.g. by a pipeline). A
+            table without an eviction policy never frees rows by itself, so it pins nothing.
         reinit_rows (dict[str, torch.Tensor]): per table, rows this batch's mapping took from
             evicted ids; re-initialised when this batch computes.
     """
@@ -321,7 +322,8 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
         Idempotent per context: the pipeline may run it ahead of time on a host thread, and
         ``compute_and_output_dist`` then skips it. Run this way (ahead of the batch's compute),
-        it pins the batch's rows, so that batches mapped later cannot evict them; they are
+        it pins the batch's rows in tables with an eviction policy, so that batches mapped later
+        cannot evict them (a table without one never frees rows by itself); they are
         unpinned once the next batch computes (or by :meth:`release_context`). When
         ``compute_and_output_dist`` maps the batch itself, nothing is in flight in between and
         nothing is pinned. Ids that are not (yet) admitted, or unknown
@@ -353,6 +355,8 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             if pin:
                 with self._lock:
                     for name, rows in used.items():
+                        if self._id_tables[name].eviction is None:
+                            continue  # never frees a row by itself: nothing to protect
                         for chunk in rows:
                             self._id_tables[name].pin(chunk)
         except Exception as e:  # shared with the other ranks below, then re-raised
@@ -373,7 +377,9 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             ctx.ids_mapped = True
             ctx.batch_rows = {name: torch.cat(rows) for name, rows in used.items()}
-            ctx.pinned_rows = dict(ctx.batch_rows) if pin else {}
+            ctx.pinned_rows = (
+                {n: r for n, r in ctx.batch_rows.items() if self._id_tables[n].eviction is not None} if pin else {}
+            )
             ctx.reinit_rows = reinit
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
