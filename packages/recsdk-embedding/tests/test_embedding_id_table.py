@@ -313,22 +313,6 @@ def test_bytes_per_row_stay_under_48_at_8m_capacity(index_kind: str) -> None:
     assert worst.memory_bytes / worst.capacity <= 48
 
 
-def test_both_indexes_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The index only maps ids to rows: rows come from the free stack, so both agree exactly."""
-    from recsdk.embedding import slot_index
-
-    fast = IdTable(700, eviction=LRUEviction(), name="fast")
-    monkeypatch.setattr(slot_index, "_use_fbgemm", lambda: False)
-    plain = IdTable(700, eviction=LRUEviction(), name="plain")
-    specials = torch.tensor([-1, INT64_MIN, INT64_MAX, 0, -2])
-    for seed in range(12):  # 12 x 300 ids through 700 rows: eviction, tombstones and rehashes
-        batch = torch.cat([_random_ids(300, seed), specials]) if seed % 3 == 0 else _random_ids(300, seed)
-        assert torch.equal(fast.find_or_insert(batch), plain.find_or_insert(batch))
-        assert torch.equal(fast.take_reassigned_rows(), plain.take_reassigned_rows())
-    probe = torch.cat([_random_ids(300, 11), _random_ids(300, 1), specials])
-    assert torch.equal(fast.find(probe), plain.find(probe))
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_table_matches_cpu_table() -> None:
     ids = torch.cat([_random_ids(20_000, 1), _random_ids(5_000, 1)])
