@@ -197,6 +197,10 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                         name=f"{cfg.name}@rank{env.rank}",
                     )
         self._tbe_slices: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+        # The failure flag of the batch being computed (see _agree_on_failure), read after its lookup.
+        self._pending_agreement: tuple[Any, torch.Tensor] | None = None
+        for lookup in self._lookups:
+            lookup.register_forward_hook(self._settle_agreement)
         self._adam_tables: dict[str, HostAdamTable] = {}
         self._adam_optimizers: dict[str, HostAdamOptimizer] = {}
         if self._device is None or self._device.type != "meta":
@@ -388,18 +392,39 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _agree_on_failure(self, error: BaseException | None) -> None:
         """Make a host-stage failure on any rank fail every rank, instead of hanging the others.
 
-        One tiny all-reduce over the host group per batch; only on failure the ranks exchange
-        their messages. The failing rank re-raises its own exception.
+        One tiny all-reduce of a failure flag over the host group per batch. A failing rank
+        waits for it, exchanges messages and re-raises its own exception. A healthy rank does not
+        wait here: the flag travels while this batch's rows are looked up, and
+        :meth:`_settle_agreement` (a forward hook on the lookups) reads it before the output dist,
+        the first collective a failing rank would not join.
         """
+        self._settle_agreement()  # a batch that raised before its lookup left one pending
         pg = self._host_pg
         if pg is None or dist.get_world_size(pg) == 1:
             if error is not None:
                 raise error
             return
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-        if int(flag) == 0:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg, async_op=True)
+        if error is None:
+            self._pending_agreement = (work, flag)
             return
+        work.wait()
+        self._exchange_failures(error)
+
+    def _settle_agreement(self, *_: Any) -> None:
+        """Wait for this batch's failure flag; raise if a rank's host stage failed."""
+        pending, self._pending_agreement = self._pending_agreement, None
+        if pending is None:
+            return
+        work, flag = pending
+        work.wait()
+        if int(flag) != 0:
+            self._exchange_failures(None)
+
+    def _exchange_failures(self, error: BaseException | None) -> None:
+        """Every rank, once all know a host stage failed: share the messages and raise."""
+        pg = self._host_pg
         messages: list[str | None] = [None] * dist.get_world_size(pg)
         mine = None if error is None else f"{type(error).__name__}: {error}"
         dist.all_gather_object(messages, mine, group=pg)
