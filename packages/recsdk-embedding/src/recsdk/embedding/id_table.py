@@ -29,7 +29,6 @@ _NEVER_USED = 0
 _OCCUPIED = 1
 _RETIRED = 2  # free again, but its embedding row holds a former id's values
 _MAX_CAPACITY = 2**31 - 2
-_MAX_SLOT_LOAD = 0.8  # rehash before occupied + tombstone slots pass this fraction
 _INT32_MAX = 2**31 - 1
 _STAT_NAMES = ("inserts", "evictions", "admission_rejects", "lookups", "hits")
 _STATE_KEYS = (
@@ -642,7 +641,7 @@ class IdTable:
         return self._index.lookup(ids)
 
     def _ensure_slot_room(self, incoming: int) -> None:
-        if self._size + self._index.tombstones + incoming > _MAX_SLOT_LOAD * self._index.num_slots:
+        if self._size + self._index.tombstones + incoming > self._index.max_load * self._index.num_slots:
             self._rehash()
 
     def _rehash(self) -> None:
