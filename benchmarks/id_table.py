@@ -14,10 +14,12 @@ device sync, so it covers the table's kernels. Prints one JSON line per measurem
 and the ratio to the dict (``new_ids_per_batch`` counts the table's inserts, which with an
 eviction policy include ids re-inserted after being evicted), then one line with the table's
 bytes per id (all metadata included, beyond the embedding rows). ``--threads`` defaults to 1,
-the dict's share of the machine.
+the dict's share of the machine. ``--index torch`` runs the torch-ops hash index (what CUDA and
+NPU tables use) on CPU instead of FBGEMM's kernels, to compare the two.
 
     python benchmarks/id_table.py                           # 1M ids per batch, capacity 8M
     python benchmarks/id_table.py --capacity 1000000 --batch-size 100000
+    python benchmarks/id_table.py --batch-size 4096 --capacity 200000 --vocab 200000 --index torch
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 
 from recsdk.data.hashing import mix64
-from recsdk.embedding import IdTable, LFUEviction, LRUEviction, TTLEviction
+from recsdk.embedding import IdTable, LFUEviction, LRUEviction, TTLEviction, slot_index
 
 T = TypeVar("T")
 EVICTIONS = {"none": None, "lru": LRUEviction(), "lfu": LFUEviction(), "ttl": TTLEviction(max_idle_steps=4)}
@@ -81,8 +83,16 @@ def main() -> None:
     parser.add_argument("--eviction", choices=sorted(EVICTIONS), default="none", help="table eviction policy")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default")
     parser.add_argument("--device", default="cpu", help="device of the id table (default cpu)")
+    parser.add_argument(
+        "--index",
+        choices=["auto", "torch"],
+        default="auto",
+        help="hash index: auto (FBGEMM's kernels on CPU), or torch ops (what CUDA/NPU tables use) for comparison",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.index == "torch":
+        slot_index._use_fbgemm = lambda: False  # this benchmark's process only
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     vocab = args.vocab or args.capacity
@@ -107,6 +117,7 @@ def main() -> None:
         "eviction": args.eviction,
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "index": type(table._index).__name__,
     }
     for op in ("find_or_insert", "find"):
         t_table = t_dict = 0.0

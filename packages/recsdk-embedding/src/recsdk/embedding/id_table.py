@@ -7,7 +7,7 @@ Layout (all torch tensors on the table's device, so every operation is whole-bat
   devices, double hashing in torch ops over int32 slots (a power of two, at least 1.5 slots per
   row). Occupancy lives in the per-row state, never in the key alone, so every int64 value is a
   valid id. Removal leaves a tombstone, and the table rehashes when stored ids plus tombstones
-  pass 80% of the slots.
+  pass 80% (torch index) or 90% (FBGEMM index) of the slots.
 * per row: ``row_id`` (int64), ``row_state`` (int8: never used / occupied / freed after use),
   ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts), and a
   stack of free rows (int32).
