@@ -100,7 +100,8 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     embeddings are read at forward time, so a pipelined run gives the same losses and
     weights as the plain loop ``loss, out = model(batch); loss.backward();
     optimizer.step(); optimizer.zero_grad()`` over the same batches. Rows referenced by
-    batches in flight are pinned by the sharded module, and the pipeline never maps more
+    batches in flight are pinned by the sharded module (in tables with an eviction policy;
+    the others never free rows by themselves), and the pipeline never maps more
     than ``pipe_n_batch`` batches ahead of the one computing.
 
     Modules whose input dist talks over the default (device) group, such as a plain
@@ -133,7 +134,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return_loss (bool): :meth:`progress` returns ``(output, loss)`` instead of
             ``output``.
         pipe_n_batch (int): batches prepared ahead of the one computing, in
-            ``[1, 12]``; each holds its id-table rows pinned until it has computed.
+            ``[1, 12]``; each holds its rows in evicting tables pinned until it has computed.
 
     Example::
 
