@@ -39,3 +39,11 @@ def test_both_indexes_give_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> Non
         assert torch.equal(fast.take_reassigned_rows(), plain.take_reassigned_rows())
     probe = torch.cat([_random_ids(300, 11), _random_ids(300, 1), specials])
     assert torch.equal(fast.find(probe), plain.find(probe))
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 1000, 4097])
+def test_index_bytes_is_what_the_index_holds(capacity: int) -> None:
+    # The planner sizes host tables with it, without allocating them.
+    for device in ("cpu", "meta"):
+        table = IdTable(capacity, device=device)
+        assert slot_index.index_bytes(capacity, torch.device(device)) == table._index.memory_bytes

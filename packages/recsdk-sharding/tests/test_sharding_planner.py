@@ -15,6 +15,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
+from recsdk.embedding import IdTable
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
     get_default_hybrid_sharders,
@@ -78,6 +79,9 @@ def test_storage_counts_id_table_and_bad_constraints_fail_at_planning() -> None:
         config = next(c for c in tables(capacity=100_000, dims=(16, 8)) if c.name == name)
         expected = [id_table_bytes(rows, config)] * len(extra)
         assert 20 * rows < expected[0] < 48 * rows  # slots and per-row metadata, at most 48 B/row
+        # Exact: what the shard's host table really holds (on CPU, with the index it gets there).
+        host_table = IdTable(rows, admission=config.admission, eviction=config.eviction, name=name)
+        assert expected[0] == host_table.memory_bytes
         assert extra == expected, (name, sharding_type, extra)
     assert "INSUFFICIENT_STORAGE" in r["tight"] or "storage" in r["tight"].lower(), r["tight"]
     assert "'t1'" in r["bad"] and "column_wise" in r["bad"], r["bad"]

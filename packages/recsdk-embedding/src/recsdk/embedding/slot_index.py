@@ -21,7 +21,7 @@ import torch
 
 from recsdk.embedding.hashing import fmix64
 
-__all__ = ["FbgemmSlotIndex", "TorchSlotIndex", "fbgemm_index_available", "make_slot_index"]
+__all__ = ["FbgemmSlotIndex", "TorchSlotIndex", "fbgemm_index_available", "index_bytes", "make_slot_index"]
 
 _EMPTY = -1
 _TOMBSTONE = -2
@@ -230,6 +230,23 @@ def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -
     if device.type == "cpu" and _use_fbgemm():
         return FbgemmSlotIndex(capacity)
     return TorchSlotIndex(capacity, device, row_id)
+
+
+def index_bytes(capacity: int, device: torch.device) -> int:
+    """Bytes of the index :func:`make_slot_index` builds for a table of ``capacity`` rows on ``device``.
+
+    Allocates nothing (the planner sizes host id tables with it).
+
+    Args:
+        capacity (int): rows of the table.
+        device (torch.device): the table's device.
+
+    Returns:
+        int: 16 bytes per slot of FBGEMM's index on CPU, 4 bytes per slot of the torch index elsewhere.
+    """
+    if device.type == "cpu" and _use_fbgemm():
+        return max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW)) * 16
+    return _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW)) * 4
 
 
 def _use_fbgemm() -> bool:

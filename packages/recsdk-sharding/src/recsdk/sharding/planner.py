@@ -13,6 +13,7 @@ Use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
@@ -20,7 +21,7 @@ from torchrec.distributed.planner.types import ParameterConstraints, ShardingOpt
 from torchrec.distributed.types import ModuleSharder
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from recsdk.embedding import HashEmbeddingBagCollection, IdTable
+from recsdk.embedding import HashEmbeddingBagCollection, IdTable, slot_index
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "id_table_bytes"]
 
@@ -29,12 +30,14 @@ def id_table_bytes(rows: int, config: EmbeddingBagConfig) -> int:
     """Exact host bytes of the id table of a shard of ``rows`` rows of table ``config``.
 
     Builds the table on the ``meta`` device (nothing is allocated) and reads its
-    ``memory_bytes``: hash slots, per-row arrays and, with ``CountAdmission``, the counters.
+    ``memory_bytes`` (per-row arrays and, with ``CountAdmission``, the counters), with the
+    hash index a host (CPU) table gets in place of the meta table's.
     """
     admission = getattr(config, "admission", None)
     eviction = getattr(config, "eviction", None)
     table = IdTable(rows, device="meta", admission=admission, eviction=eviction, name=config.name)
-    return int(table.memory_bytes)
+    meta_index = slot_index.index_bytes(rows, torch.device("meta"))
+    return int(table.memory_bytes) - meta_index + slot_index.index_bytes(rows, torch.device("cpu"))
 
 
 class IdTableStorageEstimator(EmbeddingStorageEstimator):
