@@ -117,7 +117,7 @@ def main() -> None:
         "eviction": args.eviction,
         "threads": torch.get_num_threads(),
         "device": str(device),
-        "index": type(table._index).__name__,
+        "index": table.index_kind,
     }
     for op in ("find_or_insert", "find"):
         t_table = t_dict = 0.0

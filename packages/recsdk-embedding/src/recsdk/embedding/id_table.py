@@ -155,6 +155,11 @@ class IdTable:
         return self._step
 
     @property
+    def index_kind(self) -> str:
+        """Which hash index maps ids to rows: ``"fbgemm"`` (FBGEMM's kernels, CPU) or ``"torch"``."""
+        return "fbgemm" if isinstance(self._index, FbgemmSlotIndex) else "torch"
+
+    @property
     def num_slots(self) -> int:
         """Number of slots of the hash index (see :mod:`recsdk.embedding.slot_index`)."""
         return self._index.num_slots
