@@ -17,6 +17,7 @@ gives the share of the machine's cores the plain loop and the pipeline keep busy
 all threads of all ranks over wall seconds and cores): overlap can only fill idle cores, so with
 the same CPU work the pipeline gains at most ``overlap_ceiling`` = 1 / the plain loop's share.
 With several ranks per host each rank runs one intra-op thread, as under ``torchrun``.
+``--world-size 1 --threads 1`` leaves the host thread a core of its own on a 2-core machine.
 
     python benchmarks/pipeline.py [--batch-size 1024] [--steps 20] [--rounds 7] [--pipe-n-batch 2]
 """
