@@ -393,7 +393,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         with self._stream_context(self._data_dist_stream):
             _wait_for_batch(step.batch, self._memcpy_stream)
             _start_data_dist(self._pipelined_modules, step.batch, context)
-            self._wait_splits(context)
+            self.wait_sparse_data_dist(context)
         # The input dists exist now: swap in TorchRec's fused-splits forwards.
         self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
         self._classify_modules()
@@ -483,15 +483,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def _wait_inline(self, step: _Step) -> None:
         if step.context.fused_splits_awaitables:
             with self._stream_context(self._data_dist_stream):
-                self._wait_splits(step.context)
-
-    @staticmethod
-    def _wait_splits(context: TrainPipelineContext) -> None:
-        for names, awaitable in context.fused_splits_awaitables:
-            for name, request in zip(names, awaitable.wait(), strict=True):
-                context.input_dist_tensors_requests[name] = request
-        context.input_dist_splits_requests.clear()
-        context.fused_splits_awaitables.clear()
+                self.wait_sparse_data_dist(step.context)
 
     def _finish_host_stage(self, step: _Step) -> None:
         future, step.host_future = step.host_future, None
@@ -547,7 +539,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             with self._stream_context(self._data_dist_stream):
                 _wait_for_batch(batch, self._memcpy_stream)
                 _start_data_dist(self._host_modules, batch, context)
-                self._wait_splits(context)
+                self.wait_sparse_data_dist(context)
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
         except BaseException as e:
             error = e
