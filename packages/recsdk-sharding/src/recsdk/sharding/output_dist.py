@@ -111,6 +111,13 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
         return _AllToAllPooledAwaitable(local_embs, splits, self._pg)
 
 
+def _is_gloo(pg: dist.ProcessGroup) -> bool:
+    try:
+        return dist.get_backend(pg) == dist.Backend.GLOO
+    except (ValueError, RuntimeError):  # a group torch.distributed does not know: keep TorchRec's dist
+        return False
+
+
 class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     """TorchRec's row-wise pooled sharding, with :class:`AllToAllPooledEmbeddingDist` on gloo.
 
@@ -121,7 +128,7 @@ class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     """
 
     def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
-        if self._pg is not None and dist.get_backend(self._pg) == dist.Backend.GLOO:
+        if self._pg is not None and _is_gloo(self._pg):
             return AllToAllPooledEmbeddingDist(
                 self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
             )
