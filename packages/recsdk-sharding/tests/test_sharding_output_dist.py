@@ -9,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from sharding_models import SparseNN, shard, sharded_hash_ebc, tables
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.data.testing import run_distributed
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
+from recsdk.sharding import AllToAllPooledEmbeddingDist, sharded_hash_modules
 
 DIM = 8
 
@@ -70,3 +74,26 @@ def test_all_to_all_dist_takes_unequal_batches() -> None:
         # My partials for rank j's samples get rank j's output gradient, divided by the world size.
         expected = torch.cat([_out_grad(j, splits[j]) for j in range(3)]) / 3
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+def _output_dists_of_row_wise_modules(rank: int, world_size: int) -> dict[str, list[str]]:
+    row_wise = {t: ParameterConstraints(sharding_types=["row_wise"]) for t in ("t0", "t1")}
+    hashed = shard(SparseNN(tables(capacity=256), num_dense=4, device="meta"), batch_size=8, constraints=row_wise)
+    assert sharded_hash_modules(hashed)
+    plain = shard(
+        EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=64, feature_names=["f0"])],
+            device=torch.device("meta"),
+        ),
+        batch_size=8,
+        constraints={"t0": ParameterConstraints(sharding_types=["row_wise"])},
+    )
+    return {
+        "hashed": [type(d).__name__ for d in sharded_hash_ebc(hashed)._output_dists],
+        "plain": [type(d).__name__ for d in plain.module._output_dists],
+    }
+
+
+def test_row_wise_shardings_on_gloo_use_the_all_to_all_dist() -> None:
+    for r in run_distributed(_output_dists_of_row_wise_modules, 2, timeout_s=60):
+        assert r == {"hashed": ["AllToAllPooledEmbeddingDist"], "plain": ["AllToAllPooledEmbeddingDist"]}, r
