@@ -4,9 +4,12 @@ Writes a synthetic Criteo-format file (``--lines`` lines), reads it into batches
 ``recsdk.data.CriteoDataset`` and with a plain ``csv.reader`` loop that builds the same
 tensors, checks that both give equal tensors on a prefix, and prints one JSON line with
 both rates (rows/s) and their ratio. Both run in this process, one after the other.
+``--shuffle-buffer N`` times CriteoDataset with a shuffle buffer of N rows (the check and
+the Python loop stay in file order).
 
     python benchmarks/data_readers.py               # 1M lines
     python benchmarks/data_readers.py --lines 100000
+    python benchmarks/data_readers.py --shuffle-buffer 1000000
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main() -> None:
     parser.add_argument("--baseline-lines", type=int, default=None, help="lines the Python loop reads (default: all)")
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--check-lines", type=int, default=20_000, help="prefix on which both must agree")
+    parser.add_argument("--shuffle-buffer", type=int, default=0, help="shuffle buffer of the timed CriteoDataset run")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +100,8 @@ def main() -> None:
         if not equal:
             raise SystemExit(f"CriteoDataset and the Python loop disagree on the first {check_lines} lines")
 
-        recsdk_rate, recsdk_rows = _rows_per_s(iter(CriteoDataset(path, args.batch_size)))
+        timed = CriteoDataset(path, args.batch_size, shuffle_buffer=args.shuffle_buffer)
+        recsdk_rate, recsdk_rows = _rows_per_s(iter(timed))
         python_rate, python_rows = _rows_per_s(python_csv_batches(path, args.batch_size, max_lines=args.baseline_lines))
     print(
         json.dumps(
@@ -104,6 +109,7 @@ def main() -> None:
                 "bench": "criteo_tsv_read",
                 "lines": args.lines,
                 "batch_size": args.batch_size,
+                "shuffle_buffer": args.shuffle_buffer,
                 "recsdk_rows": recsdk_rows,
                 "recsdk_rows_per_s": round(recsdk_rate),
                 "python_csv_rows": python_rows,

@@ -184,6 +184,35 @@ def test_shuffle_buffer_permutes_rows_deterministically(tmp_path: Path) -> None:
     assert len(batches) == 15 and all(b.batch_size == 32 for b in batches)
 
 
+@pytest.mark.parametrize("shuffle_buffer", [0, 600, 3000])  # in order, ~40 parser blocks, more than the file
+def test_buffer_spanning_many_blocks_yields_each_row_once(tmp_path: Path, shuffle_buffer: int) -> None:
+    path = _numbered(tmp_path / "a.tsv", 1000)
+
+    def read(seed: int = 4, drop_last: bool = False) -> list[Batch]:
+        ds = CriteoDataset(
+            path, batch_size=64, shuffle_buffer=shuffle_buffer, seed=seed, drop_last=drop_last, block_size=4096
+        )
+        return list(ds)  # every batch is kept until the end: later blocks must not overwrite them
+
+    batches = read()
+    assert [b.batch_size for b in batches] == [64] * 15 + [40]  # the end-of-file remainder is kept
+    lines = _line_numbers(batches)
+    assert sorted(lines) == list(range(1, 1001))
+    assert (lines == list(range(1, 1001))) == (shuffle_buffer == 0)
+    # Each row keeps its own label and ids (every cat_j of line i is i).
+    assert [int(x) for b in batches for x in b.labels.tolist()] == [i % 2 for i in lines]
+    ids = torch.cat([b.sparse_features.values().view(26, b.batch_size) for b in batches], dim=1)
+    assert torch.equal(ids, torch.tensor(lines).expand(26, -1))
+    again = read()
+    assert len(again) == len(batches)
+    for a, b in zip(batches, again, strict=True):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.dense_features, b.dense_features)
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values())
+    if shuffle_buffer:
+        assert _line_numbers(read(seed=5)) != lines
+    assert [b.batch_size for b in read(drop_last=True)] == [64] * 15
+
+
 BAD_LINES = {
     3: ("1\t2\t3", "3 fields, expected 40"),
     5: (_line("1", ["x"] + ["1"] * 12), "int_0 'x' is not a decimal integer"),

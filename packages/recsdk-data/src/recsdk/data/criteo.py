@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -51,17 +52,16 @@ class _Rows:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def arrays(self) -> tuple[npt.NDArray[Any], ...]:
+        """The four arrays, in field order."""
+        return (self.labels, self.dense, self.ids, self.present)
+
     def take(self, index: npt.NDArray[np.int64] | slice) -> _Rows:
         return _Rows(self.labels[index], self.dense[index], self.ids[index], self.present[index])
 
-    @staticmethod
-    def concat(parts: Sequence[_Rows]) -> _Rows:
-        return _Rows(
-            np.concatenate([p.labels for p in parts]),
-            np.concatenate([p.dense for p in parts]),
-            np.concatenate([p.ids for p in parts]),
-            np.concatenate([p.present for p in parts]),
-        )
+    def empty(self, n: int) -> _Rows:
+        """``n`` uninitialised rows with these rows' dtypes and widths."""
+        return _Rows(*(np.empty((n, *a.shape[1:]), dtype=a.dtype) for a in self.arrays()))
 
     def to_batch(self) -> Batch:
         present_t = self.present.T
@@ -208,57 +208,84 @@ def _parse_table(table: pa.RecordBatch) -> tuple[_Rows, npt.NDArray[np.bool_]]:
 
 
 class _RowPool:
-    """Rows waiting to be batched: in order, or drawn at random from a buffer of ``capacity`` rows."""
+    """Rows waiting to be batched: in order, or drawn at random from a buffer of ``shuffle_buffer`` rows or more.
+
+    Held rows sit at ``[start, start + size)`` of preallocated arrays, so adding a block writes
+    only its own rows; when the arrays run out of room, the held rows move to new arrays of at
+    least twice the rows needed. In order, :meth:`pop` returns views and moves ``start`` on (popped
+    rows are never written again). Shuffled, ``start`` stays 0 and :meth:`pop` returns copies.
+    """
 
     def __init__(self, shuffle_buffer: int, rng: np.random.Generator | None) -> None:
         self._shuffle_buffer = shuffle_buffer
         self._rng = rng
-        self._rows: _Rows | None = None
+        self._buffer: _Rows | None = None
+        self._start = 0
         self._size = 0
 
     def __len__(self) -> int:
         return self._size
 
     def add(self, rows: _Rows) -> None:
-        if len(rows) == 0:
+        """Append ``rows`` after the held rows."""
+        n = len(rows)
+        if n == 0:
             return
-        if self._rows is None or self._size == 0:
-            self._rows, self._size = rows, len(rows)
+        if self._buffer is None or self._start + self._size + n > len(self._buffer):
+            self._reallocate(rows, n)
+        assert self._buffer is not None
+        end = self._start + self._size
+        for dst, src in zip(self._buffer.arrays(), rows.arrays(), strict=True):
+            dst[end : end + n] = src
+        self._size += n
+
+    def _reallocate(self, like: _Rows, n: int) -> None:
+        """Move the held rows to the front of new arrays of at least ``2 * (size + n)`` rows shaped like ``like``.
+
+        Always new arrays, never a move in place: batches popped in order are views of the old ones.
+        """
+        capacity = 2 * (self._size + n)
+        if self._buffer is None:
+            self._buffer = like.empty(capacity)
         else:
-            self._rows = _Rows.concat([self._rows.take(slice(0, self._size)), rows])
-            self._size = len(self._rows)
+            held = self._buffer.take(slice(self._start, self._start + self._size))
+            self._buffer = held.empty(max(capacity, len(self._buffer)))
+            for dst, src in zip(self._buffer.arrays(), held.arrays(), strict=True):
+                dst[: self._size] = src
+        self._start = 0
 
     def ready(self, batch_size: int) -> bool:
         return self._size >= self._shuffle_buffer + batch_size if self._rng is not None else self._size >= batch_size
 
     def pop(self, k: int) -> _Rows:
-        assert self._rows is not None and 0 < k <= self._size
+        """Take ``k`` rows: the first ``k`` in order, or ``k`` drawn at random."""
+        assert self._buffer is not None and 0 < k <= self._size
         if self._rng is None:
-            out = self._rows.take(slice(0, k))
-            self._rows = self._rows.take(slice(k, self._size))
+            out = self._buffer.take(slice(self._start, self._start + k))
+            self._start += k
             self._size -= k
             return out
         size = self._size
         chosen = self._rng.choice(size, size=k, replace=False)
-        out = self._rows.take(chosen)
+        out = self._buffer.take(chosen)
         # Fill the holes below size - k with the unchosen rows from the tail.
         tail = np.ones(k, dtype=np.bool_)
         tail[chosen[chosen >= size - k] - (size - k)] = False
         holes = np.sort(chosen[chosen < size - k])
         fillers = np.flatnonzero(tail) + (size - k)
-        rows = self._rows
-        for arr in (rows.labels, rows.dense, rows.ids, rows.present):
+        for arr in self._buffer.arrays():
             arr[holes] = arr[fillers]
         self._size -= k
         return out
 
     def drain(self) -> _Rows | None:
-        if self._rows is None or self._size == 0:
+        """All held rows (in a random order when shuffling), emptying the pool; ``None`` if empty."""
+        if self._buffer is None or self._size == 0:
             return None
-        rows = self._rows.take(slice(0, self._size))
+        rows = self._buffer.take(slice(self._start, self._start + self._size))
         if self._rng is not None:
             rows = rows.take(self._rng.permutation(self._size))
-        self._rows, self._size = None, 0
+        self._buffer, self._start, self._size = None, 0, 0
         return rows
 
 
