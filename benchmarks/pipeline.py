@@ -16,8 +16,8 @@ together) and the median over rounds of their ratio within a round. The plain-lo
 gives the share of the machine's cores the plain loop and the pipeline keep busy (CPU seconds of
 all threads of all ranks over wall seconds and cores): overlap can only fill idle cores, so with
 the same CPU work the pipeline gains at most ``overlap_ceiling`` = 1 / the plain loop's share.
-With several ranks per host each rank runs one intra-op thread, as under ``torchrun``.
-``--world-size 1 --threads 1`` leaves the host thread a core of its own on a 2-core machine.
+Each rank runs ``--threads`` intra-op threads (default 1, what torchrun gives several ranks per
+host). ``--world-size 1 --threads 1`` leaves the host thread a core of its own on a 2-core machine.
 
     python benchmarks/pipeline.py [--batch-size 1024] [--steps 20] [--rounds 7] [--pipe-n-batch 2]
 """
@@ -195,7 +195,7 @@ def _timed(step: Callable[[Iterator[Batch]], Any], it: Iterator[Batch], steps: i
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:  # this benchmark's own process, for exploring oversubscription; the library never does this
+    if args.threads:  # this benchmark's own rank process; the library never does this
         torch.set_num_threads(args.threads)
     raw = _batches(args, rank, world_size)
     remapped = _remapped(args, world_size, rank)
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads per rank (0: one per rank, as under torchrun)"
+        "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
     args = parser.parse_args()
 

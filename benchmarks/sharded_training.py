@@ -215,7 +215,13 @@ def _time(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -
     return (len(batches) - warmup) * batches[0].batch_size * dist.get_world_size() / elapsed
 
 
+def _threads(args: argparse.Namespace) -> None:
+    if args.threads:  # this benchmark's own rank process; the library never does this
+        torch.set_num_threads(args.threads)
+
+
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    _threads(args)
     host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
     features = [f"f{i}" for i in range(args.tables)]
     raw = _datasets(args, world_size)
@@ -236,6 +242,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """Build and train MCH for a few steps: does TorchRec's managed collision train on CPU?"""
+    _threads(args)
     host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
     model, optimizer = _build_mch(args, host_env)
     _time(model, optimizer, _datasets(args, world_size)[rank][:3], warmup=1)
@@ -252,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--id-range", type=int, default=200_000)
     parser.add_argument("--pooling", type=float, default=4.0)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
+    )
     args = parser.parse_args(argv)
     mch_error = None
     try:  # in its own process group with a short timeout: a failure there must not hang the benchmark

@@ -71,16 +71,3 @@ def test_run_distributed_surfaces_failure_without_hanging() -> None:
     with pytest.raises(DistributedTestError, match="injected failure") as info:
         run_distributed(_fail_on_rank_one, 2, timeout_s=30)
     assert "rank 1" in str(info.value)
-
-
-def _threads(rank: int, world_size: int) -> tuple[int, str | None]:
-    import os
-
-    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-
-
-def test_run_distributed_gives_each_rank_one_thread_like_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert run_distributed(_threads, 2) == [(1, "1"), (1, "1")]
-    # One rank has the host to itself: torch's default stays.
-    assert run_distributed(_threads, 1)[0][1] is None

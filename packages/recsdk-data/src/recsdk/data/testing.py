@@ -19,7 +19,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["DistributedTestError", "build_wheel_files", "free_port", "run_distributed"]
@@ -59,11 +58,6 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # As torchrun does for several processes per host: one intra-op thread per rank, so
-        # ranks do not oversubscribe the cores they share.
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
     try:
         dist.init_process_group(
             backend="gloo",
@@ -103,8 +97,8 @@ def run_distributed(
 
     Each process joins a gloo process group on a free localhost port (timeout
     ``timeout_s``) with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, so code under test can
-    create further groups with ``dist.new_group``. As under ``torchrun``, with more than
-    one rank each rank runs one intra-op thread unless ``OMP_NUM_THREADS`` is set.
+    create further groups with ``dist.new_group``. Thread settings are ``fn``'s to make
+    (torchrun would give each of several ranks per host one intra-op thread).
 
     Args:
         fn (Callable): a picklable function ``fn(rank, world_size, *args)``; its return
