@@ -65,8 +65,13 @@ class TorchSlotIndex:
 
     max_load = 0.8  # the table rehashes before stored ids plus tombstones pass this share of the slots
 
+    @staticmethod
+    def slots_for(capacity: int) -> int:
+        """Slots of the index of a table of ``capacity`` rows."""
+        return _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW))
+
     def __init__(self, capacity: int, device: torch.device, row_id: torch.Tensor) -> None:
-        self.num_slots = _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW))
+        self.num_slots = self.slots_for(capacity)
         self.tombstones = 0
         self._mask = self.num_slots - 1
         self._device = device
@@ -162,8 +167,13 @@ class FbgemmSlotIndex:
     # native code stays cheap at 90%: a miss scans a few cache lines).
     max_load = 0.9
 
+    @staticmethod
+    def slots_for(capacity: int) -> int:
+        """Slots of the index of a table of ``capacity`` rows (at least one stays empty)."""
+        return max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW))
+
     def __init__(self, capacity: int) -> None:
-        self.num_slots = max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW))
+        self.num_slots = self.slots_for(capacity)
         self.tombstones = 0
         self._table = torch.full((self.num_slots, 2), _EMPTY, dtype=torch.int64)
         self._table_offsets = torch.tensor([0, self.num_slots], dtype=torch.int64)
@@ -245,8 +255,8 @@ def index_bytes(capacity: int, device: torch.device) -> int:
         int: 16 bytes per slot of FBGEMM's index on CPU, 4 bytes per slot of the torch index elsewhere.
     """
     if device.type == "cpu" and _use_fbgemm():
-        return max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW)) * 16
-    return _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW)) * 4
+        return FbgemmSlotIndex.slots_for(capacity) * 16  # (key, row) int64 pairs
+    return TorchSlotIndex.slots_for(capacity) * 4  # int32 rows
 
 
 def _use_fbgemm() -> bool:

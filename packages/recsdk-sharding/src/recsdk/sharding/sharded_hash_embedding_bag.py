@@ -352,20 +352,20 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         mapped: list[KeyedJaggedTensor] = []
         used: dict[str, list[torch.Tensor]] = {}
         reused: dict[str, list[torch.Tensor]] = {}
+        pinned: dict[str, torch.Tensor] = {}
         error: BaseException | None = None
         try:
             for kjt in dist_input:
                 mapped.append(self._map_kjt(kjt, training, used, reused))
             if pin:
+                # A table without an eviction policy never frees a row by itself: nothing to protect.
+                pinned = {n: torch.cat(r) for n, r in used.items() if self._id_tables[n].eviction is not None}
                 with self._lock:
-                    for name, rows in used.items():
-                        if self._id_tables[name].eviction is None:
-                            continue  # never frees a row by itself: nothing to protect
-                        for chunk in rows:
-                            self._id_tables[name].pin(chunk)
+                    for name, rows in pinned.items():
+                        self._id_tables[name].pin(rows)
         except Exception as e:  # shared with the other ranks below, then re-raised
             error = e
-            used = {}
+            used, pinned = {}, {}
         reinit = {name: torch.cat(rows) for name, rows in reused.items()}
         if error is not None or not isinstance(ctx, HashEmbeddingBagCollectionContext):
             self._defer_reinit(reinit)
@@ -381,9 +381,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if isinstance(ctx, HashEmbeddingBagCollectionContext):
             ctx.ids_mapped = True
             ctx.batch_rows = {name: torch.cat(rows) for name, rows in used.items()}
-            ctx.pinned_rows = (
-                {n: r for n, r in ctx.batch_rows.items() if self._id_tables[n].eviction is not None} if pin else {}
-            )
+            ctx.pinned_rows = pinned
             ctx.reinit_rows = reinit
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
