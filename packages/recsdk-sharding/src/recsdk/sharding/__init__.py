@@ -5,6 +5,7 @@ id-to-row mapping in each shard's id table); the device does the lookups with To
 fused kernels and the pooled output dist over the default group.
 """
 
+from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
 from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist, bucketize_by_owner
@@ -31,6 +32,7 @@ __all__ = [
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
+    "FailureAgreement",
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",
@@ -42,6 +44,7 @@ __all__ = [
     "HybridShardedEmbeddingBagCollection",
     "IdTableStorageEstimator",
     "OwnerSparseFeaturesDist",
+    "PeerFailureError",
     "ShardedHashEmbeddingBagCollection",
     "bucketize_by_owner",
     "export_embeddings",
