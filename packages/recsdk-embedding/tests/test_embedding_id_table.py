@@ -276,6 +276,70 @@ def test_rebuild_from_ids_and_rows_with_remove_and_insert_at() -> None:
     assert len(dst) == 4
 
 
+def test_rebuild_places_ids_in_order_and_reinitialises_the_other_rows() -> None:
+    admission = CountAdmission(2, counter_slots=16)
+    table = IdTable(6, admission=admission, eviction=LRUEviction(), name="t")
+    table.find_or_insert(torch.tensor([1, 2, 3]))
+    table.find_or_insert(torch.tensor([1, 2, 3]))  # admitted: stats and reassigned state to reset
+    counters = torch.arange(16, dtype=torch.int32)
+    ids = torch.tensor([INT64_MAX, -5, 40])
+    table.rebuild(
+        ids, last_step=torch.tensor([7, 2, 9]), freq=torch.tensor([3, 1, 4]), step=9, admission_counters=counters
+    )
+    assert table.find(ids).tolist() == [0, 1, 2] and table.find(torch.tensor([1, 2, 3])).tolist() == [-1] * 3
+    sd = table.state_dict()
+    assert sd["ids"].tolist() == ids.tolist() and sd["rows"].tolist() == [0, 1, 2]
+    assert sd["last_step"].tolist() == [7, 2, 9] and sd["freq"].tolist() == [3, 1, 4]
+    assert table.step == 9 and torch.equal(sd["admission_counters"], counters)
+    assert sd["stats"].tolist() == [0] * 5 and sd["reassigned_rows"].numel() == 0
+    assert sd["retired_rows"].tolist() == [3, 4, 5]
+    # The free rows go out in ascending order, each reported for re-initialisation.
+    table.rebuild(ids, last_step=torch.tensor([7, 2, 9]), freq=torch.ones(3, dtype=torch.int64), step=9)
+    assert int(table.state_dict()["admission_counters"].sum()) == 0  # None: a fresh sketch
+    new = table.find_or_insert(torch.tensor([11, 11, 12, 12]))  # seen once: not admitted yet
+    assert new.tolist() == [-1] * 4
+    new = table.find_or_insert(torch.tensor([11, 12]))
+    assert new.tolist() == [3, 4] and table.take_reassigned_rows().tolist() == [3, 4]
+
+
+def test_rebuild_rejects_bad_input_and_keeps_the_table() -> None:
+    table = IdTable(3, name="t")
+    table.find_or_insert(torch.tensor([5, 6]))
+    before = table.state_dict()
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="4 ids do not fit the table's capacity 3"):
+        table.rebuild(torch.arange(4), last_step=torch.zeros(4), freq=torch.ones(4), step=0)
+    with pytest.raises(ValueError, match="distinct"):
+        table.rebuild(torch.tensor([1, 1]), last_step=one.repeat(2), freq=one.repeat(2), step=1)
+    with pytest.raises(ValueError, match="last_step must be 2 integers"):
+        table.rebuild(torch.tensor([1, 2]), last_step=one, freq=one.repeat(2), step=1)
+    with pytest.raises(ValueError, match=r"freq must be in \[0, "):
+        table.rebuild(torch.tensor([1]), last_step=one, freq=-one, step=1)
+    with pytest.raises(ValueError, match="step must be"):
+        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=-1)
+    with pytest.raises(ValueError, match="2 admission counters given"):
+        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1, admission_counters=torch.zeros(2))
+    table.pin(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="pinned"):
+        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1)
+    after = table.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_check_state_dict_validates_like_load_and_changes_nothing() -> None:
+    a = IdTable(4)
+    a.find_or_insert(torch.tensor([1, 2]))
+    sd = a.state_dict()
+    b = IdTable(4)
+    b.find_or_insert(torch.tensor([7]))
+    b.check_state_dict(sd)
+    assert b.find(torch.tensor([7, 1])).tolist() == [0, -1]
+    with pytest.raises(ValueError, match="exactly once"):
+        b.check_state_dict(dict(sd, free_rows=sd["free_rows"][:1]))
+    with pytest.raises(ValueError, match="capacity"):
+        IdTable(5).check_state_dict(sd)
+
+
 def test_validation_errors_name_the_table() -> None:
     with pytest.raises(ValueError, match="capacity"):
         IdTable(0, name="t")

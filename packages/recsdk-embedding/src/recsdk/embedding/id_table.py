@@ -505,13 +505,134 @@ class IdTable:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore a state from :meth:`state_dict` of a table with the same capacity.
 
-        The slot layout is rebuilt from the ids. The state is validated first; on error the table
-        is left unchanged.
+        The slot layout is rebuilt from the ids. The state is validated first (as by
+        :meth:`check_state_dict`); on error the table is left unchanged.
 
         Raises:
             ValueError: missing keys, another capacity, inconsistent ids/rows, or counters of another size.
             RuntimeError: some rows of this table are pinned.
         """
+        sd = self._checked_state(state_dict)
+        if self.num_pinned():
+            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
+        self._allocate()
+        self._free_top = sd["free_rows"].numel()
+        self._free[: self._free_top] = sd["free_rows"].to(torch.int32)
+        self._row_state[sd["retired_rows"]] = _RETIRED
+        rows = sd["rows"]
+        self._place(sd["ids"], rows, step=0)
+        self._last_step[rows] = sd["last_step"].to(torch.int32)
+        self._freq[rows] = sd["freq"].to(torch.int32)
+        if self._sketch is not None:
+            self._sketch.counters.copy_(sd["admission_counters"].to(torch.int32))
+        reassigned = sd["reassigned_rows"]
+        if reassigned.numel():
+            self._reassigned = [reassigned]
+            self._reassigned_count = reassigned.numel()
+        self._step = int(sd["step"])
+        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
+
+    def check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
+
+        Lets a caller that restores several tables (and their embeddings) validate every state
+        before it modifies any of them.
+
+        Args:
+            state_dict (dict[str, torch.Tensor]): a state from :meth:`state_dict`.
+
+        Raises:
+            ValueError: as :meth:`load_state_dict` (pins are not checked here).
+        """
+        self._checked_state(state_dict)
+
+    def rebuild(
+        self,
+        ids: torch.Tensor,
+        *,
+        last_step: torch.Tensor,
+        freq: torch.Tensor,
+        step: int,
+        admission_counters: torch.Tensor | None = None,
+    ) -> None:
+        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
+
+        For rebuilding a table from ids and their metadata gathered elsewhere (e.g. a
+        checkpoint loaded on another world size): id ``ids[i]`` gets row ``i`` with its
+        ``last_step`` and ``freq``. The other rows are free, handed out in ascending order, and
+        each is reported by :meth:`take_reassigned_rows` when handed to an id (its embedding row
+        may hold another model's values, so the caller re-initialises it). The step clock is set
+        to ``step``, the admission counters to ``admission_counters``, and the statistics start
+        from zero. On error the table is left unchanged.
+
+        Args:
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, ``n <= capacity``.
+            last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
+            freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
+            step (int): the step clock, ``>= 0``.
+            admission_counters (torch.Tensor | None): the count-min sketch's counters (as in
+                :meth:`state_dict`); None or empty for a table without a sketch, and None resets
+                a sketch to zero.
+
+        Raises:
+            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size
+                or out of range.
+            RuntimeError: some rows of this table are pinned.
+
+        Example::
+
+            table = IdTable(8, eviction=LRUEviction())
+            table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
+            table.find(torch.tensor([7, 42]))  # tensor([1, 0])
+        """
+        flat, _ = self._as_ids(ids, "rebuild")
+        n, cap = flat.numel(), self._capacity
+        where = f"IdTable '{self._name}'.rebuild"
+        if n > cap:
+            raise ValueError(f"{where}: {n} ids do not fit the table's capacity {cap}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _INT32_MAX:
+            raise ValueError(f"{where}: step must be an int in [0, {_INT32_MAX}], got {step!r}")
+        meta = {}
+        for key, value in (("last_step", last_step), ("freq", freq)):
+            value = torch.as_tensor(value).reshape(-1).to(self._device)
+            if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
+                raise ValueError(f"{where}: {key} must be {n} integers (one per id), got {value.numel()} {value.dtype}")
+            if n and bool(((value < 0) | (value > _INT32_MAX)).any()):
+                raise ValueError(f"{where}: {key} must be in [0, {_INT32_MAX}]")
+            meta[key] = value.long()
+        if n and flat.unique().numel() != n:
+            raise ValueError(f"{where}: ids must be distinct")
+        have = self._sketch.counters.numel() if self._sketch is not None else 0
+        if admission_counters is None:
+            counters = torch.zeros(have, dtype=torch.int32, device=self._device)
+        else:
+            counters = torch.as_tensor(admission_counters).reshape(-1)
+            if counters.numel() != have:
+                raise ValueError(
+                    f"{where}: {counters.numel()} admission counters given, this table's admission policy "
+                    f"{self._admission} has {have}"
+                )
+        dev = self._device
+        self.load_state_dict(
+            {
+                "capacity": torch.tensor(cap, dtype=torch.int64),
+                "ids": flat,
+                "rows": torch.arange(n, dtype=torch.int64, device=dev),
+                "last_step": meta["last_step"],
+                "freq": meta["freq"],
+                "free_rows": torch.arange(cap - 1, n - 1, -1, dtype=torch.int64, device=dev),  # pops n, n+1, ...
+                "retired_rows": torch.arange(n, cap, dtype=torch.int64, device=dev),
+                "reassigned_rows": torch.zeros(0, dtype=torch.int64, device=dev),
+                "admission_counters": counters,
+                "step": torch.tensor(step, dtype=torch.int64),
+                "stats": torch.zeros(len(_STAT_NAMES), dtype=torch.int64),
+            }
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _checked_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validate a :meth:`state_dict`; returns its tensors on the table's device, flattened."""
         self._check_usable()
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
@@ -556,25 +677,18 @@ class IdTable:
         for key, value in (("retired_rows", retired), ("reassigned_rows", reassigned)):
             if value.numel() and bool(((value < 0) | (value >= self._capacity)).any()):
                 raise ValueError(f"IdTable '{self._name}': state dict {key} out of [0, {self._capacity})")
-        if self.num_pinned():
-            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
-
-        self._allocate()
-        self._free_top = free.numel()
-        self._free[: self._free_top] = free.to(torch.int32)
-        self._row_state[retired] = _RETIRED
-        self._place(ids, rows, step=0)
-        self._last_step[rows] = sd["last_step"].reshape(-1).to(torch.int32)
-        self._freq[rows] = sd["freq"].reshape(-1).to(torch.int32)
-        if self._sketch is not None:
-            self._sketch.counters.copy_(counters.to(torch.int32))
-        if reassigned.numel():
-            self._reassigned = [reassigned]
-            self._reassigned_count = reassigned.numel()
-        self._step = int(sd["step"])
-        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in stats.tolist()), strict=True))
-
-    # ------------------------------------------------------------------ internals
+        return {
+            "ids": ids,
+            "rows": rows,
+            "last_step": sd["last_step"].reshape(-1),
+            "freq": sd["freq"].reshape(-1),
+            "free_rows": free,
+            "retired_rows": retired,
+            "reassigned_rows": reassigned,
+            "admission_counters": counters,
+            "step": sd["step"],
+            "stats": stats,
+        }
 
     def _allocate(self) -> None:
         dev = self._device
