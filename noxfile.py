@@ -2,19 +2,27 @@
 
 Every session installs the pinned CPU stack from ``requirements/constraints.txt``: torchrec
 with ``--no-deps`` (its metadata asks for the CUDA ``fbgemm-gpu``) beside ``fbgemm-gpu-cpu``,
-then the local packages editable, in dependency order, also with ``--no-deps``. Virtual
-environments are reused, so a second run does not reinstall torch.
+then local packages editable, also with ``--no-deps``: a package's ``tests`` session only the
+recsdk packages its ``pyproject.toml`` declares (dependencies and ``test`` extra, transitively),
+the other sessions all four. Virtual environments are reused, so a second run does not
+reinstall torch.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nox
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10; nox itself requires tomli there
+    import tomli as tomllib
+
 ROOT = Path(__file__).parent
 CONSTRAINTS = "requirements/constraints.txt"
-PACKAGES = ["data", "embedding", "sharding", "pipeline"]  # dependency order
+PACKAGES = ["data", "embedding", "sharding", "pipeline"]  # a package imports only ones before it
 # torchrec 1.8.0's own requirements, minus fbgemm-gpu (fbgemm-gpu-cpu replaces it).
 STACK = ["torch", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "iopath", "tqdm", "numpy"]
 STACK += ["pyarrow"]  # recsdk-data's readers
@@ -25,11 +33,36 @@ nox.options.reuse_venv = "yes"
 nox.options.default_venv_backend = "virtualenv"
 
 
-def _install(session: nox.Session, upto: str, extra: list[str] | None = None) -> None:
-    """Install the pinned stack and the local packages up to ``upto`` (inclusive)."""
+def _declared_siblings(package: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """The recsdk packages (``"data"``, ...) that ``recsdk-<package>`` requires, directly.
+
+    Read from its ``pyproject.toml``: ``[project].dependencies`` and the named ``extras``.
+    """
+    with open(ROOT / "packages" / f"recsdk-{package}" / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    requirements = list(project.get("dependencies", []))
+    for extra in extras:
+        requirements += project.get("optional-dependencies", {}).get(extra, [])
+    names = (re.match(r"\s*recsdk-([a-z]+)", r) for r in requirements)
+    return {m.group(1) for m in names if m}
+
+
+def _local_packages(package: str) -> list[str]:
+    """``package`` and the recsdk packages its tests need: its dependencies and ``test`` extra, transitively."""
+    needed: set[str] = set()
+    todo = {package} | _declared_siblings(package, extras=("test",))
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo |= _declared_siblings(name)
+    return [name for name in PACKAGES if name in needed]
+
+
+def _install(session: nox.Session, local: list[str], extra: list[str] | None = None) -> None:
+    """Install the pinned stack and the ``local`` recsdk packages (editable, ``--no-deps``)."""
     session.install("-c", CONSTRAINTS, *STACK, *(extra or []))
     session.install("--no-deps", "-c", CONSTRAINTS, "torchrec")
-    local = PACKAGES[: PACKAGES.index(upto) + 1]
     editable = [arg for name in local for arg in ("-e", f"packages/recsdk-{name}")]
     session.install("--no-deps", *editable)
 
@@ -37,22 +70,22 @@ def _install(session: nox.Session, upto: str, extra: list[str] | None = None) ->
 @nox.session
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
-    """One package's tests, with only that package and the siblings it depends on installed."""
-    _install(session, package, TEST_TOOLS)
+    """One package's tests, with only that package and the siblings it declares installed."""
+    _install(session, _local_packages(package), TEST_TOOLS)
     session.run("pytest", "-q", f"packages/recsdk-{package}/tests", *session.posargs)
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
     """All four packages assembled: cross-package tests and the demo as a test."""
-    _install(session, "pipeline", [*TEST_TOOLS, "matplotlib"])
+    _install(session, PACKAGES, [*TEST_TOOLS, "matplotlib"])
     session.run("pytest", "-q", "tests", *session.posargs)
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: the little demo, 2 ranks on this machine (``-- --steps 100`` etc. pass flags on)."""
-    _install(session, "pipeline", ["matplotlib"])
+    _install(session, PACKAGES, ["matplotlib"])
     out = Path(session.create_tmp()) / "little_demo"  # summary.json and training.png; a later --out wins
     session.run("python", "examples/little_demo/main.py", "--world-size", "2", "--out", str(out), *session.posargs)
 
@@ -68,7 +101,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over the four packages as one ``recsdk`` namespace."""
-    _install(session, "pipeline", ["mypy"])
+    _install(session, PACKAGES, ["mypy"])
     sources = [f"packages/recsdk-{name}/src/recsdk" for name in PACKAGES]
     session.run("mypy", *sources, env={"MYPYPATH": ":".join(f"packages/recsdk-{n}/src" for n in PACKAGES)})
 
@@ -79,10 +112,10 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- sharded_training.py --steps 10`` runs one script with its own flags.
     """
-    _install(session, "pipeline", ["matplotlib"])
+    _install(session, PACKAGES, ["matplotlib"])
     if session.posargs:
         script, *flags = session.posargs
         session.run("python", str(Path("benchmarks") / Path(script).name), *flags)
         return
-    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+    for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # not _common.py: shared code
         session.run("python", str(script.relative_to(ROOT)))
