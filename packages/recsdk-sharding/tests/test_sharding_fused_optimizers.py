@@ -53,7 +53,7 @@ def _sharded_run(rank: int, world_size: int, name: str) -> dict:
     weights = {}
     for table_name, table in sebc.id_tables.items():
         ids, rows = table.ids_and_rows()
-        weights[table_name] = dict(zip(ids.tolist(), sebc._table_slices()[table_name][0][rows].clone(), strict=True))
+        weights[table_name] = dict(zip(ids.tolist(), sebc.table_views()[table_name][0][rows].clone(), strict=True))
     state = ddp_model.fused_optimizer.state_dict()
     return {
         "weights": weights,

@@ -60,7 +60,7 @@ def _lru_eviction(rank: int, world_size: int) -> dict:
 
     # Poison every local row and its optimizer state, then send exactly `local capacity` new ids
     # to each owner: every row must be reassigned, re-initialised and get fresh optimizer state.
-    weight, states = sebc._table_slices()["t0"]
+    weight, states = sebc.table_views()["t0"]
     with torch.no_grad():
         weight.fill_(123.0)
         for s in states:
@@ -164,15 +164,15 @@ def _owed_reinit_of_batches_in_flight(rank: int, world_size: int) -> dict:
     new_ids = _ids_owned_by(rank, world_size, 16, start=5_000_000)
     received = sebc.input_dist(ctx, _batch(new_ids, seed=1).sparse_features).wait().wait()
     sebc.post_input_dist(ctx, received)
-    owed_in_flight = sebc.owed_reinit_rows().get("t0", torch.empty(0)).tolist()
+    owed_in_flight = sebc.ledger.owed_resets().get("t0", torch.empty(0)).tolist()
     sebc.release_context(ctx)  # dropped: still owed, now at the next compute
-    owed_after_release = sebc.owed_reinit_rows().get("t0", torch.empty(0)).tolist()
+    owed_after_release = sebc.ledger.owed_resets().get("t0", torch.empty(0)).tolist()
     _step(model, _batch(new_ids, seed=2))  # computing a batch pays what is owed
     return {
         "capacity": table.capacity,
         "owed_in_flight": sorted(owed_in_flight),
         "owed_after_release": sorted(owed_after_release),
-        "owed_after_compute": sebc.owed_reinit_rows(),
+        "owed_after_compute": sebc.ledger.owed_resets(),
     }
 
 

@@ -144,7 +144,7 @@ def _embeddings_per_id_sharded(rank: int, world_size: int, sharding_type: str) -
         loss, _ = ddp_model(rank_slice(batch, rank, world_size))
         loss.backward()
     sebc = sharded_hash_ebc(ddp_model)
-    slices = sebc._table_slices()
+    slices = sebc.table_views()
     out = {}
     for name, table in sebc.id_tables.items():
         ids, rows = table.ids_and_rows()

@@ -4,6 +4,7 @@ from recsdk.embedding.config import HashEmbeddingBagConfig
 from recsdk.embedding.hash_embedding_bag import HashEmbeddingBagCollection, OptimizerAttachment
 from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.id_table import IdTable, TableFullError
+from recsdk.embedding.input_checks import check_features
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, LRUEviction, TTLEviction
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
@@ -18,6 +19,7 @@ __all__ = [
     "OptimizerAttachment",
     "TTLEviction",
     "TableFullError",
+    "check_features",
     "fmix64",
     "init_rows_",
     "reset_optimizer_rows_",

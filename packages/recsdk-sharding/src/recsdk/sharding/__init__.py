@@ -7,18 +7,14 @@ fused kernels and the pooled output dist over the default group.
 
 from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
 from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist, bucketize_by_owner
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, GlooRwPooledEmbeddingSharding
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
-from recsdk.sharding.sharded_hash_embedding_bag import (
-    HashEmbeddingBagCollectionContext,
-    HostRwPooledEmbeddingSharding,
-    HostTwPooledEmbeddingSharding,
-    ShardedHashEmbeddingBagCollection,
-    sharded_hash_modules,
-)
+from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection, sharded_hash_modules
 from recsdk.sharding.sharders import (
     HashEmbeddingBagCollectionSharder,
     HybridEmbeddingBagCollectionSharder,
@@ -26,6 +22,12 @@ from recsdk.sharding.sharders import (
     get_default_hybrid_sharders,
     validate_host_env,
 )
+from recsdk.sharding.shardings import (
+    GlooRwPooledEmbeddingSharding,
+    HostRwPooledEmbeddingSharding,
+    HostTwPooledEmbeddingSharding,
+)
+from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
@@ -45,7 +47,9 @@ __all__ = [
     "IdTableStorageEstimator",
     "OwnerSparseFeaturesDist",
     "PeerFailureError",
+    "RowLedger",
     "ShardedHashEmbeddingBagCollection",
+    "TableViews",
     "bucketize_by_owner",
     "export_embeddings",
     "get_default_hybrid_sharders",

@@ -10,13 +10,19 @@ The recovered gradient is exact up to one float32 rounding of the weight.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.types import LazyAwaitable
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-__all__ = ["HostAdamOptimizer", "HostAdamTable", "adam_params_from_fused", "is_adam"]
+from recsdk.sharding._torchrec_compat import optimizers_of, queue_backward_callback
+from recsdk.sharding.tbe_views import TableViews
+
+__all__ = ["HostAdam", "HostAdamOptimizer", "HostAdamTable", "adam_params_from_fused", "is_adam"]
 
 _ADAM_KEYS = ("learning_rate", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "optimizer")
 
@@ -117,3 +123,131 @@ class HostAdamOptimizer(KeyedOptimizer):
                 t.exp_avg_sq[rows] = v
                 denom = (v / (1 - beta2**step)).sqrt_().add_(eps)
                 t.weight[rows] = old - lr * (m / (1 - beta1**step)) / denom
+
+
+Snapshots = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class HostAdam:
+    """recsdk's Adam on the fused CPU kernel, for one sharded module: its whole life cycle.
+
+    1. :meth:`plan` (before the module builds its kernels): which tables ask for Adam, and their
+       hyper-parameters; :meth:`rewrite` then gives those tables' kernels exact SGD at lr 1.
+    2. :meth:`install` (once the kernels exist): Adam state per table, and the module's fused
+       optimizer with :class:`HostAdamOptimizer` in place of those tables' SGD.
+    3. :meth:`watch` (per training batch): snapshots the batch's rows before the lookup and
+       applies Adam to them at the end of the same backward.
+
+    A plan with no Adam table (or on a device whose kernel has Adam) does nothing anywhere.
+
+    Args:
+        hyper (Mapping[str, dict]): table name -> Adam hyper-parameters (``lr``, ``betas``, ...).
+
+    Example::
+
+        adam = HostAdam.plan(grouped_sharding_infos, emulate=device.type == "cpu")
+        adam.rewrite(grouped_sharding_infos)             # in create_grouped_sharding_infos
+        optimizer = adam.install(fused_optimizer, views) # after the kernels exist
+        adam.watch(awaitable, ctx.batch_rows)            # per batch, in compute_and_output_dist
+    """
+
+    def __init__(self, hyper: Mapping[str, dict[str, Any]]) -> None:
+        self._hyper = dict(hyper)
+        self._tables: dict[str, HostAdamTable] = {}
+        self._optimizers: dict[str, HostAdamOptimizer] = {}
+
+    @classmethod
+    def plan(cls, infos: Mapping[str, list[EmbeddingShardingInfo]], emulate: bool) -> HostAdam:
+        """The tables of ``infos`` (TorchRec's grouped sharding infos) that ask for Adam.
+
+        Args:
+            infos (Mapping[str, list[EmbeddingShardingInfo]]): sharding type -> infos.
+            emulate (bool): whether the kernel lacks Adam (the CPU kernel does).
+        """
+        hyper = {}
+        if emulate:
+            for group in infos.values():
+                for info in group:
+                    if info.fused_params and is_adam(info.fused_params):
+                        hyper[info.embedding_config.name] = adam_params_from_fused(info.fused_params)
+        return cls(hyper)
+
+    @property
+    def tables(self) -> list[str]:
+        """Names of the tables this emulation updates."""
+        return list(self._hyper)
+
+    def rewrite(self, infos: Mapping[str, list[EmbeddingShardingInfo]]) -> None:
+        """Give the planned tables' kernels exact SGD at learning rate 1 (in place)."""
+        for group in infos.values():
+            for info in group:
+                if info.embedding_config.name in self._hyper and info.fused_params:
+                    info.fused_params = as_sgd_lr1(info.fused_params)
+
+    def install(self, fused: CombinedOptimizer, views: Mapping[str, TableViews]) -> CombinedOptimizer:
+        """The module's fused optimizer with :class:`HostAdamOptimizer` for the planned tables.
+
+        Args:
+            fused (CombinedOptimizer): the module's fused optimizer as TorchRec built it.
+            views (Mapping[str, TableViews]): the kernel's views (their weights are updated).
+        """
+        if not self._hyper:
+            return fused
+        kept: list[tuple[str, KeyedOptimizer]] = []
+        for key, opt in optimizers_of(fused):
+            names = {k.split(".")[1] for k in opt.params} & set(self._hyper)
+            if not names:
+                kept.append((key, opt))
+                continue
+            tables = {name: HostAdamTable(views[name].weight) for name in names}
+            adam = HostAdamOptimizer(dict(opt.params), tables, self._hyper[next(iter(names))])
+            self._tables.update(tables)
+            self._optimizers.update(dict.fromkeys(names, adam))
+            kept.append((key, adam))
+        return CombinedOptimizer(kept)
+
+    def views(self, views: Mapping[str, TableViews]) -> dict[str, TableViews]:
+        """The kernel's views with the Adam moments as the planned tables' optimizer states."""
+        out = dict(views)
+        for name, t in self._tables.items():
+            out[name] = TableViews(t.weight, [t.exp_avg, t.exp_avg_sq])
+        return out
+
+    def watch(self, awaitable: LazyAwaitable[Any], batch_rows: Mapping[str, torch.Tensor]) -> None:
+        """Apply Adam to the batch's rows once its backward has run the kernel's SGD step.
+
+        Call before the lookup, in training with gradients enabled.
+
+        Args:
+            awaitable (LazyAwaitable): the module's output of ``compute_and_output_dist``.
+            batch_rows (Mapping[str, torch.Tensor]): per table, the rows the batch looks up.
+        """
+        if not self._tables:
+            return
+        snapshots: Snapshots = {}
+        for name, rows in batch_rows.items():
+            if name in self._tables and rows.numel() > 0:
+                rows = torch.unique(rows)
+                snapshots[name] = (rows, self._tables[name].weight[rows].clone())
+        if snapshots:
+            awaitable.callbacks.append(lambda out: self._hook(out, snapshots))
+
+    def _hook(self, out: Any, snapshots: Snapshots) -> Any:
+        values = out.values()
+        if values.requires_grad:
+
+            def on_grad(grad: torch.Tensor) -> None:
+                # Runs when the output's gradient is ready, before the kernel's backward; the
+                # queued callback runs once the whole backward (and the kernel's update) is done.
+                queue_backward_callback(lambda: self._apply(snapshots))
+
+            values.register_hook(on_grad)
+        return out
+
+    def _apply(self, snapshots: Snapshots) -> None:
+        by_optimizer: dict[int, tuple[HostAdamOptimizer, Snapshots]] = {}
+        for name, snap in snapshots.items():
+            opt = self._optimizers[name]
+            by_optimizer.setdefault(id(opt), (opt, {}))[1][name] = snap
+        for opt, snaps in by_optimizer.values():
+            opt.apply(snaps)

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
-__all__ = ["AllToAllPooledEmbeddingDist", "GlooRwPooledEmbeddingSharding"]
+__all__ = ["AllToAllPooledEmbeddingDist", "is_gloo"]
 
 
 class _SumReceivedPartials(torch.autograd.Function):
@@ -111,25 +111,9 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
         return _AllToAllPooledAwaitable(local_embs, splits, self._pg)
 
 
-def _is_gloo(pg: dist.ProcessGroup) -> bool:
+def is_gloo(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` is a gloo group torch.distributed knows (else TorchRec's dists stay)."""
     try:
         return dist.get_backend(pg) == dist.Backend.GLOO
     except (ValueError, RuntimeError):  # a group torch.distributed does not know: keep TorchRec's dist
         return False
-
-
-class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
-    """TorchRec's row-wise pooled sharding, with :class:`AllToAllPooledEmbeddingDist` on gloo.
-
-    On any other backend (nccl, hccl) the output dist is TorchRec's reduce-scatter.
-
-    Args:
-        as TorchRec's ``RwPooledEmbeddingSharding``.
-    """
-
-    def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
-        if self._pg is not None and _is_gloo(self._pg):
-            return AllToAllPooledEmbeddingDist(
-                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
-            )
-        return super().create_output_dist(device)

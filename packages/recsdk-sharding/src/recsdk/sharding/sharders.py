@@ -17,8 +17,8 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding, Shardin
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection
-from recsdk.sharding.output_dist import GlooRwPooledEmbeddingSharding
-from recsdk.sharding.sharded_hash_embedding_bag import SUPPORTED_SHARDING_TYPES, ShardedHashEmbeddingBagCollection
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
 
 __all__ = [
     "HashEmbeddingBagCollectionSharder",
@@ -98,7 +98,7 @@ class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return list(SUPPORTED_SHARDING_TYPES)
+        return list(HOST_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.FUSED.value]

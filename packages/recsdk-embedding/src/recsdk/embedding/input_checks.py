@@ -1,0 +1,67 @@
+"""The checks every hash module makes of its input KJT, with one wording everywhere.
+
+The unsharded and the sharded hash modules run the same checks, so a batch the one rejects the
+other rejects with the same message, naming the module, the features and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["check_features"]
+
+
+def check_features(
+    features: object, feature_names: Sequence[str], *, module: str, is_weighted: bool
+) -> KeyedJaggedTensor:
+    """Check a hash module's input; return it typed as a KJT.
+
+    Args:
+        features (object): what ``forward`` (or ``input_dist``) received.
+        feature_names (Sequence[str]): the configured features; the KJT's keys must be exactly
+            these, in any order.
+        module (str): the module's name for the messages, e.g. ``"HashEmbeddingBagCollection"``.
+        is_weighted (bool): whether per-value weights are required.
+
+    Returns:
+        KeyedJaggedTensor: ``features``.
+
+    Raises:
+        TypeError: not a KJT, or ids that are not int64/int32.
+        ValueError: unknown or missing keys, missing weights, negative lengths, or lengths whose
+            sum differs from the number of ids.
+
+    Example::
+
+        kjt = check_features(kjt, ["user", "item"], module="HashEmbeddingBagCollection", is_weighted=False)
+    """
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"{module}.forward expects a KeyedJaggedTensor, got {type(features).__name__}")
+    keys = features.keys()
+    unknown = [k for k in keys if k not in feature_names]
+    missing = [k for k in feature_names if k not in keys]
+    if unknown or missing:
+        raise ValueError(
+            f"{module}: KJT keys {keys} differ from the configured features "
+            f"{list(feature_names)}: unknown {unknown}, missing {missing}"
+        )
+    values = features.values()
+    if values.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{module}: ids of features {keys} must be int64 or int32, got {values.dtype}")
+    if is_weighted and features.weights_or_none() is None:
+        raise ValueError(f"{module} is weighted but the KJT of features {keys} has no weights")
+    lengths = features.lengths()
+    if lengths.numel() > 0:
+        if bool((lengths < 0).any()):
+            raise ValueError(f"{module}: the KJT of features {keys} has negative lengths (min {int(lengths.min())})")
+        total = int(lengths.sum())
+        if total != values.numel():
+            raise ValueError(
+                f"{module}: the lengths of features {keys} sum to {total} but the KJT has {values.numel()} ids"
+            )
+    elif values.numel() != 0:
+        raise ValueError(f"{module}: the KJT of features {keys} has {values.numel()} ids and no lengths")
+    return features

@@ -1,0 +1,98 @@
+"""Every use of TorchRec/FBGEMM/torch internals in recsdk-sharding, each with why.
+
+recsdk pins TorchRec exactly (``requirements/constraints.txt``); these are the places that read
+or write what TorchRec does not publish. A TorchRec upgrade touches this file only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+
+__all__ = [
+    "fused_lookups",
+    "input_dist_ready",
+    "local_shards",
+    "optimizers_of",
+    "queue_backward_callback",
+    "replace_fused_optimizer",
+    "table_configs",
+    "without_range_warnings",
+]
+
+# ---- sharded modules
+
+# TorchRec validates a module's first batch against [0, num_embeddings) and logs each id out of
+# that range; raw ids never are in it. The filter is keyed on the message text because the
+# validator logs through a module logger with no finer switch.
+_VALIDATOR_LOGGER = logging.getLogger("torchrec.sparse.jagged_tensor_validator")
+
+
+def _drop_range_warnings(record: logging.LogRecord) -> bool:
+    return "which is out of range" not in record.getMessage()
+
+
+@contextmanager
+def without_range_warnings() -> Iterator[None]:
+    """Silence the first-batch validator's id-range warnings (its other checks still log)."""
+    _VALIDATOR_LOGGER.addFilter(_drop_range_warnings)
+    try:
+        yield
+    finally:
+        _VALIDATOR_LOGGER.removeFilter(_drop_range_warnings)
+
+
+def input_dist_ready(module: Any) -> bool:
+    """Whether a ShardedEmbeddingBagCollection has built its input dists (after its first batch).
+
+    TorchRec keeps this in ``_has_uninitialized_input_dist``.
+    """
+    return not bool(module._has_uninitialized_input_dist)
+
+
+def local_shards(module: Any) -> Iterator[ShardedEmbeddingTable]:
+    """This rank's table shards of a sharded embedding module, over all its shardings.
+
+    TorchRec keeps them in each sharding's ``_grouped_embedding_configs`` (no public accessor).
+    """
+    for sharding in module._embedding_shardings:
+        for grouped in sharding._grouped_embedding_configs:
+            yield from grouped.embedding_tables
+
+
+def table_configs(module: Any) -> dict[str, Any]:
+    """Table name -> its config, as the sharded module holds it (``_table_name_to_config``)."""
+    return dict(module._table_name_to_config)
+
+
+def fused_lookups(module: Any) -> list[torch.nn.Module]:
+    """The sharded module's lookups (``_lookups``), which hold the fused kernels."""
+    return list(module._lookups)
+
+
+def optimizers_of(combined: CombinedOptimizer) -> list[tuple[str, KeyedOptimizer]]:
+    """The ``(key, optimizer)`` pairs of a CombinedOptimizer, keys as given (``_optims``).
+
+    The public ``optimizers`` property prefixes keys; rebuilding one needs the originals.
+    """
+    return list(combined._optims)
+
+
+def replace_fused_optimizer(module: Any, optimizer: CombinedOptimizer) -> None:
+    """Make ``optimizer`` the sharded module's ``fused_optimizer`` (TorchRec stores it in ``_optim``)."""
+    module._optim = optimizer
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the backward pass in progress has finished (fused kernels' updates included).
+
+    torch exposes this only through the autograd engine's ``queue_callback``; call it from a
+    tensor hook during backward.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]

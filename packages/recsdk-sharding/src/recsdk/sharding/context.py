@@ -1,0 +1,42 @@
+"""The per-batch context of a host-staged hash module, and the batch token the parts key on.
+
+It sits below the parts (host stage, row ledger) and the adapter, so that no part imports the
+adapter: the arrows run adapter -> parts -> context -> TorchRec.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+
+__all__ = ["HashEmbeddingBagCollectionContext", "new_batch_token"]
+
+_TOKENS = itertools.count()
+
+
+def new_batch_token() -> int:
+    """A process-unique token for one batch (the row ledger's key)."""
+    return next(_TOKENS)
+
+
+@dataclass
+class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
+    """EBC context plus what the host stage did for this batch.
+
+    Attributes:
+        token (int): this batch's key in the row ledger (which rows it holds, which it owes a
+            reset).
+        ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
+        batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
+        input_error (Exception | None): what was wrong with this rank's input. ``input_dist``
+            sends an empty batch in its place (so peers are not left in the id all-to-all)
+            and the host stage raises it through the failure agreement, on every rank.
+    """
+
+    token: int = field(default_factory=new_batch_token)
+    ids_mapped: bool = False
+    batch_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    input_error: Exception | None = None

@@ -1,0 +1,174 @@
+"""``IdMappingStage``: the host stage's id work: KJTs of raw ids -> KJTs of local rows.
+
+Holds this rank's :class:`~recsdk.embedding.IdTable` per table shard and the lock that guards
+them (the host thread maps batches ahead while the training thread pins, unpins and resets).
+It is independent of the module's pooling: a bag collection and an unpooled collection map ids
+the same way, and both hand the rows their mapping takes from evicted ids to the
+:class:`~recsdk.sharding.row_ledger.RowLedger`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.embedding import IdTable, TableFullError
+from recsdk.sharding.row_ledger import RowLedger
+
+__all__ = ["IdMappingStage", "ShardInfo"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What error messages say about one table shard on this rank.
+
+    Attributes:
+        table (str): the user's table name.
+        num_embeddings (int): the table's rows over all ranks.
+        sharding_type (str): e.g. ``"row_wise"``.
+        rank (int): this rank.
+    """
+
+    table: str
+    num_embeddings: int
+    sharding_type: str
+    rank: int
+
+
+class IdMappingStage:
+    """Maps received raw ids to this rank's local rows, per table shard.
+
+    Train mode finds or inserts (admission and eviction as each table is configured); eval mode
+    only finds. Ids without a row (not admitted yet, or unknown in eval) are dropped from their
+    bags, so they look up as zeros (MEAN pooling still divides by the original bag length).
+
+    Args:
+        id_tables (dict[str, IdTable]): this rank's id table per table shard.
+        shards (Mapping[str, ShardInfo]): per table, what errors say of its shard.
+        feature_to_table (Mapping[str, str]): feature name -> table name.
+        ledger_lock (threading.RLock | None): the lock to guard the tables with (a new one if None).
+
+    Example::
+
+        stage = IdMappingStage(id_tables, shards, feature_to_table)
+        ledger = RowLedger(stage.id_tables, stage.lock)
+        rows_kjts, batch_rows = stage.map(kjts, ctx.token, ledger, training=True)
+    """
+
+    def __init__(
+        self,
+        id_tables: dict[str, IdTable],
+        shards: Mapping[str, ShardInfo],
+        feature_to_table: Mapping[str, str],
+        ledger_lock: threading.RLock | None = None,
+    ) -> None:
+        self._tables = id_tables
+        self._shards = dict(shards)
+        self._feature_to_table = dict(feature_to_table)
+        self._lock = ledger_lock if ledger_lock is not None else threading.RLock()
+
+    @property
+    def id_tables(self) -> dict[str, IdTable]:
+        """This rank's id table per table shard (table name -> IdTable)."""
+        return self._tables
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Guards the id tables (mapping, pins, state reads)."""
+        return self._lock
+
+    def map(
+        self, kjts: Iterable[KeyedJaggedTensor], token: int, ledger: RowLedger, training: bool
+    ) -> tuple[list[KeyedJaggedTensor], dict[str, torch.Tensor]]:
+        """Map each KJT's raw ids to local rows.
+
+        Rows the mapping takes from evicted ids are owed a reset by batch ``token`` in
+        ``ledger``, also when the mapping fails part way (the tables keep what they did).
+
+        Args:
+            kjts (Iterable[KeyedJaggedTensor]): raw int64 ids, one KJT per sharding type.
+            token (int): the batch's token.
+            ledger (RowLedger): where the owed resets go.
+            training (bool): insert (train) or only find (eval).
+
+        Returns:
+            tuple: the KJTs with row indices (same keys and stride), and per table the rows the
+            batch uses (admitted ids only).
+
+        Raises:
+            TypeError: floating-point ids.
+            TableFullError: a table shard has no room and cannot evict (names the table and rank).
+        """
+        used: dict[str, list[torch.Tensor]] = {}
+        reused: dict[str, list[torch.Tensor]] = {}
+        try:
+            mapped = [self._map_kjt(kjt, training, used, reused) for kjt in kjts]
+        finally:
+            if reused:
+                ledger.owe(token, {name: torch.cat(rows) for name, rows in reused.items()})
+        return mapped, {name: torch.cat(rows) for name, rows in used.items()}
+
+    def _map_kjt(
+        self,
+        kjt: KeyedJaggedTensor,
+        training: bool,
+        used: dict[str, list[torch.Tensor]],
+        reused: dict[str, list[torch.Tensor]],
+    ) -> KeyedJaggedTensor:
+        keys = kjt.keys()
+        values = kjt.values()
+        if values.numel() == 0:
+            return kjt
+        if values.dtype.is_floating_point:
+            raise TypeError(f"feature ids must be integers, got dtype {values.dtype} for features {keys}")
+        length_per_key = kjt.length_per_key()
+        starts = [0]
+        for n in length_per_key:
+            starts.append(starts[-1] + n)
+        segments: dict[str, list[tuple[int, int]]] = {}
+        for i, key in enumerate(keys):
+            if length_per_key[i] > 0:
+                segments.setdefault(self._feature_to_table[key], []).append((starts[i], starts[i + 1]))
+        rows = torch.empty(values.numel(), dtype=torch.int64)
+        with self._lock:
+            for name, segs in segments.items():
+                ids = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
+                table_rows = self._find_or_insert(name, ids) if training else self._tables[name].find(ids)
+                if training:
+                    reassigned = self._tables[name].take_reassigned_rows()
+                    if reassigned.numel() > 0:
+                        reused.setdefault(name, []).append(reassigned)
+                    admitted = table_rows[table_rows >= 0]
+                    if admitted.numel() > 0:
+                        used.setdefault(name, []).append(admitted)
+                offset = 0
+                for a, b in segs:
+                    rows[a:b] = table_rows[offset : offset + (b - a)]
+                    offset += b - a
+        lengths = kjt.lengths()
+        weights = kjt.weights_or_none()
+        keep = rows >= 0
+        if not bool(keep.all()):
+            bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
+            lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
+            rows = rows[keep]
+            weights = weights[keep] if weights is not None else None
+        return KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
+
+    def _find_or_insert(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        table = self._tables[name]
+        try:
+            return table.find_or_insert(ids)
+        except TableFullError as e:
+            shard = self._shards[name]
+            cause = str(e).split(". Raise", 1)[0]
+            raise TableFullError(
+                f"table {shard.table!r} is full on rank {shard.rank}: its {shard.sharding_type} shard there holds "
+                f"{table.capacity} of the table's {shard.num_embeddings} rows. {cause}. Raise num_embeddings of "
+                f"table {shard.table!r} (each rank's shard grows with it), or set an eviction policy "
+                "(LRUEviction, LFUEviction or TTLEviction) in its config."
+            ) from e

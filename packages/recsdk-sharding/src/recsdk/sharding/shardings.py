@@ -1,0 +1,129 @@
+"""The shardings recsdk builds: host row-wise and table-wise for hash tables, gloo row-wise.
+
+* :class:`HostRwPooledEmbeddingSharding`: row-wise; the input dist buckets raw ids by
+  :func:`~recsdk.sharding.owner` and exchanges them over the host (gloo) group.
+* :class:`HostTwPooledEmbeddingSharding`: table-wise; the id all-to-all runs over the host group.
+* :class:`GlooRwPooledEmbeddingSharding`: TorchRec's row-wise, with the all-to-all pooled output
+  dist on gloo (plain EBCs on CPU, and the host row-wise above).
+
+Each overrides one TorchRec hook (``create_input_dist`` or ``create_output_dist``) and keeps
+the rest of TorchRec's sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embeddingbag import replace_placement_with_meta_device
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.types import ShardingEnv, ShardingType
+
+from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, is_gloo
+
+__all__ = [
+    "HOST_SHARDING_TYPES",
+    "GlooRwPooledEmbeddingSharding",
+    "HostRwPooledEmbeddingSharding",
+    "HostTwPooledEmbeddingSharding",
+    "create_host_pooled_sharding",
+]
+
+HOST_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+"""The sharding types of hash tables: the id work is on the host for both."""
+
+
+class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """TorchRec's row-wise pooled sharding, with :class:`AllToAllPooledEmbeddingDist` on gloo.
+
+    On any other backend (nccl, hccl) the output dist is TorchRec's reduce-scatter.
+
+    Args:
+        as TorchRec's ``RwPooledEmbeddingSharding``.
+    """
+
+    def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
+        if self._pg is not None and is_gloo(self._pg):
+            return AllToAllPooledEmbeddingDist(
+                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
+            )
+        return super().create_output_dist(device)
+
+
+class _HostGroupSharding:
+    """Adds ``host_pg``, the host (gloo) group for the id all-to-alls, to a TorchRec sharding."""
+
+    def __init__(
+        self,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        *,
+        host_pg: dist.ProcessGroup,
+    ) -> None:
+        super().__init__(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
+        self._host_pg = host_pg
+
+
+class HostRwPooledEmbeddingSharding(_HostGroupSharding, GlooRwPooledEmbeddingSharding):
+    """Row-wise sharding whose input dist buckets raw ids by owner over the host group.
+
+    The pooled output dist is :class:`GlooRwPooledEmbeddingSharding`'s: an all-to-all on gloo,
+    TorchRec's reduce-scatter otherwise.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``RwPooledEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
+        return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
+
+
+class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):
+    """Table-wise sharding whose id all-to-all runs over the host group.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``TwPooledEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
+        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
+
+
+def create_host_pooled_sharding(
+    sharding_infos: list[EmbeddingShardingInfo],
+    env: ShardingEnv,
+    device: torch.device | None,
+    qcomm_codecs_registry: dict[str, Any] | None,
+    host_pg: dist.ProcessGroup,
+) -> EmbeddingSharding:
+    """The host sharding of a group of hash tables of one sharding type (row- or table-wise).
+
+    Raises:
+        ValueError: a sharding type other than row-wise or table-wise.
+    """
+    sharding_type = sharding_infos[0].param_sharding.sharding_type
+    if device is not None and device.type == "meta":
+        replace_placement_with_meta_device(sharding_infos)
+    kinds: dict[str, type[HostRwPooledEmbeddingSharding] | type[HostTwPooledEmbeddingSharding]] = {
+        ShardingType.ROW_WISE.value: HostRwPooledEmbeddingSharding,
+        ShardingType.TABLE_WISE.value: HostTwPooledEmbeddingSharding,
+    }
+    if sharding_type not in kinds:
+        tables = [info.embedding_config.name for info in sharding_infos]
+        raise ValueError(
+            f"tables {tables}: sharding type {sharding_type!r} is not supported for hash tables; "
+            f"supported: {list(HOST_SHARDING_TYPES)}"
+        )
+    return kinds[sharding_type](
+        sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=host_pg
+    )
