@@ -8,6 +8,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recsdk.pipeline.host_staged import HostStagedModule
 from recsdk.pipeline.host_worker import HostStageError, HostWorker
 from recsdk.pipeline.train_pipeline import MAX_PIPE_N_BATCH, HybridTrainPipelineSparseDist
 
@@ -15,6 +16,7 @@ __all__ = [
     "MAX_PIPE_N_BATCH",
     "CombinedOptimizer",
     "HostStageError",
+    "HostStagedModule",
     "HostWorker",
     "HybridTrainPipelineSparseDist",
     "KeyedOptimizerWrapper",

@@ -1,6 +1,7 @@
 """``HybridTrainPipelineSparseDist``: TorchRec's sparse-dist pipeline with a host thread.
 
-Per batch, a sharded :class:`~recsdk.embedding.HashEmbeddingBagCollection` has a host
+Per batch, a sharded module that implements :class:`~recsdk.pipeline.HostStagedModule`
+(recsdk's sharded :class:`~recsdk.embedding.HashEmbeddingBagCollection`) has a host
 stage (bucket the raw ids by owner, the id all-to-alls over the host gloo group, the
 id-table mapping in ``post_input_dist``, the copy of the row indices to the device) and a
 device stage (lookup, output dist, the dense model, backward, optimizer step). This
@@ -10,6 +11,7 @@ thread while the calling thread runs the device stage of the current batch.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections import deque
@@ -22,26 +24,21 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
-from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.model_parallel import ShardedModule
-from torchrec.distributed.train_pipeline.pipeline_context import In, Out, TrainPipelineContext
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
-from torchrec.distributed.train_pipeline.utils import (
-    _override_input_dist_forwards,
-    _rewrite_model,
-    _start_data_dist,
-    _to_device,
-    _wait_for_batch,
-)
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.types import NoWait
 
+from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase, device_groups
+from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
 from recsdk.pipeline.host_worker import HostStageError, HostWorker
+from recsdk.sharding import FailureAgreement
 
 __all__ = ["MAX_PIPE_N_BATCH", "HybridTrainPipelineSparseDist"]
 
 logger = logging.getLogger(__name__)
 
 MAX_PIPE_N_BATCH = 12
+HOST_THREAD_NAME = "recsdk-host-stage"
 
 # name -> (module context, input of compute_and_output_dist) for the host-staged modules
 _HostResult = dict[str, tuple[Any, Any]]
@@ -83,13 +80,28 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
+def _select_device(device: torch.device) -> None:
+    """Make ``device`` current on the calling thread (the host thread's setup)."""
+    if device.type not in ("cpu", "meta"):
+        module = torch.get_device_module(device)
+        if hasattr(module, "set_device") and device.index is not None:
+            module.set_device(device)
+
+
+def _gloo_world_group() -> dist.ProcessGroup | None:
+    """A new gloo group of every rank (collective: all ranks call it); ``None`` with one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
 
 
-class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
+class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     """Train (and eval) pipeline that overlaps the host id work with device compute.
 
     A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
@@ -104,23 +116,34 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     the others never free rows by themselves), and the pipeline never maps more
     than ``pipe_n_batch`` batches ahead of the one computing.
 
-    Modules whose input dist talks over the default (device) group, such as a plain
-    TorchRec ``EmbeddingBagCollection``, keep TorchRec's schedule on the calling thread:
-    the default group's collectives must stay in one order on every rank.
+    A module is host-staged iff it implements :class:`~recsdk.pipeline.HostStagedModule`
+    and all of its ``host_input_groups()`` are free of device traffic (neither the default
+    group nor a sharding env's group). The others, such as a plain TorchRec
+    ``EmbeddingBagCollection``, keep TorchRec's schedule on the calling thread: the
+    default group's collectives must stay in one order on every rank.
 
     Every host-group collective is issued from the one host thread, in batch order. The
     host thread is idle whenever :meth:`progress` is not running, so ``model.train()`` /
-    ``model.eval()``, checkpoints and statistics between calls never race with it.
+    ``model.eval()``, checkpoints and statistics between calls never race with it. The
+    thread does not keep the pipeline alive: a pipeline dropped without :meth:`close` is
+    collected as usual and its thread ends.
 
     After ``model.eval()``, :meth:`progress` runs forward only, under ``torch.no_grad()``
     (no backward, no optimizer step), and the id tables are only read. Each mode keeps its
     own queue: batches read ahead in the other mode wait, untouched, until that mode comes
     back. Batches read ahead for eval are mapped again if training ran in between.
 
-    If a host stage raises, that exception (with its traceback from the host thread) is
-    raised from the :meth:`progress` that needs the batch; the other ranks raise
-    :class:`~recsdk.pipeline.HostStageError` at the same batch, or a collective error once
-    the host group's timeout expires. The pipeline is unusable afterwards.
+    Failures stop every rank at the same :meth:`progress` call. If a host stage raises,
+    that exception (with its traceback from the host thread) is raised from the
+    :meth:`progress` that needs the batch, and the other ranks raise
+    :class:`~recsdk.pipeline.HostStageError` there (or a collective error once the host
+    group's timeout expires, if the failed rank never sent its ids). If the data iterator
+    raises (anything but the end of data), that :meth:`progress` raises the exception on
+    this rank and :class:`~recsdk.pipeline.HostStageError` on the others, before any batch
+    of that call is computed. The pipeline refuses to continue afterwards.
+
+    Construct and drive it on every rank alike: the first :meth:`progress` creates small
+    gloo groups (collectively) for these agreements.
 
     Args:
         model (torch.nn.Module): the ``DistributedModelParallel`` model; its forward takes
@@ -135,6 +158,12 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             ``output``.
         pipe_n_batch (int): batches prepared ahead of the one computing, in
             ``[1, 12]``; each holds its rows in evicting tables pinned until it has computed.
+
+    Raises:
+        TypeError: a non-module ``model``, non-optimizer ``optimizer``, non-device
+            ``device``, non-bool flag or non-int ``pipe_n_batch``.
+        ValueError: ``pipe_n_batch`` outside ``[1, 12]``, or ``device`` differs from the
+            model's.
 
     Example::
 
@@ -184,13 +213,17 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         self._train_steps = 0
         self._host_modules: list[ShardedModule] = []
         self._inline_modules: list[ShardedModule] = []
-        self._control_pgs: list[dist.ProcessGroup] = []
-        self._control_pgs_ready = False
+        # One failure agreement per control group (a gloo group per distinct host group),
+        # once the first batch has shown which groups the host stages use.
+        self._host_agreements: list[FailureAgreement] | None = None
+        # Agreement on the data iterator's failures, over every rank (created at the first progress).
+        self._read_agreement: FailureAgreement | None = None
         self._names: dict[int, str] = {}
         self._pending: list[Future[_HostResult]] = []
         self._output_checked = False
         self._failure: BaseException | None = None
-        self._worker = HostWorker("recsdk-host-stage", setup=self._setup_host_thread)
+        # The setup references the device only: the thread must not keep the pipeline alive.
+        self._worker = HostWorker(HOST_THREAD_NAME, setup=functools.partial(_select_device, device))
 
     # ---- public -------------------------------------------------------------------------
 
@@ -221,27 +254,27 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         Raises:
             StopIteration: no batch is left (see ``execute_all_batches``).
             TypeError: the model's forward does not return ``(loss, output)``.
-            HostStageError: another rank's host stage failed for this batch (this rank's own
-                host-stage exception is raised as is).
-            RuntimeError: the pipeline is closed, or a host stage failed earlier.
+            HostStageError: another rank's host stage failed for this batch, or its data
+                iterator raised in this call (this rank's own exception, from a host stage
+                or from ``dataloader_iter``, is raised as is).
+            RuntimeError: the pipeline is closed, or a host stage or the data iterator
+                failed earlier (chained to that failure).
         """
         if self._worker.closed:
             raise RuntimeError("HybridTrainPipelineSparseDist is closed")
         if self._failure is not None:
             raise RuntimeError(
-                "HybridTrainPipelineSparseDist cannot continue: a host stage failed earlier"
+                "HybridTrainPipelineSparseDist cannot continue: a host stage or the data iterator failed earlier"
             ) from self._failure
-        if not self._model_attached:
-            self.attach(self._model)
-        training = bool(self._model.training)
+        if not self._tr_attached:
+            self.attach(self._tr_model)
+        training = bool(self._tr_model.training)
         lane = self._enter_mode(training)
         # The previous batch's backward is done: release its rows now, on this thread and before
         # any host stage is submitted, so which rows a host stage may evict never depends on
         # thread timing.
         for module in self._host_modules:
-            release = getattr(module, "release_finished_pins", None)
-            if release is not None:
-                release()
+            cast(HostStagedModule, module).release_finished_pins()
         try:
             self._fill(lane, dataloader_iter)
             if not lane.steps:
@@ -250,10 +283,10 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self._finish_host_stage(step)
             self._start_inline(step)
             self._wait_inline(step)
-            self._set_module_context(step.context)
+            self._tr_set_module_context(step.context)
             if training:
-                self._optimizer.zero_grad()
-            _wait_for_batch(step.batch, self._data_dist_stream)
+                self._tr_optimizer.zero_grad()
+            self._tr_wait_for_data_dist(step.batch)
             upcoming = lane.steps[1] if len(lane.steps) > 1 else None
             if upcoming is not None:
                 self._start_inline(upcoming)
@@ -267,9 +300,9 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             if training:
                 with record_function(f"## backward {step.context.index} ##"):
                     torch.sum(loss, dim=0).backward()
-                self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, step.context)
+                self._tr_sync_embeddings(step.context)
                 with record_function(f"## optimizer {step.context.index} ##"):
-                    self._optimizer.step()
+                    self._tr_optimizer.step()
                 self._train_steps += 1
             lane.steps.popleft()
         finally:
@@ -288,26 +321,21 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         if not self._worker.closed:
             self._quiesce()
             self._release_all()
-            if self._model_attached and self._pipelined_modules:
+            if self._tr_attached and self._tr_pipelined_modules:
                 self.detach()
         self._worker.close()
 
-    def __enter__(self) -> HybridTrainPipelineSparseDist:
+    def __enter__(self) -> HybridTrainPipelineSparseDist[In, Out]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        worker = getattr(self, "_worker", None)
-        if worker is not None:
-            worker.close(timeout=0)
-
     def reset(self) -> None:
         """Drop the batches in flight (TorchRec's ``reset``); the model stays pipelined.
 
-        A host-staged module that defines ``release_context(ctx)`` gets it called for each
-        dropped batch's context, so that it can unpin the rows mapped for that batch.
+        Each host-staged module's ``release_context(ctx)`` is called for each dropped
+        batch's context, so that it can unpin the rows mapped for that batch.
         """
         self._quiesce()
         self._release_all()
@@ -325,12 +353,12 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def attach(self, model: torch.nn.Module | None = None, sparse_dist: bool = True) -> None:
         """Pipeline the model again after :meth:`detach` (``sparse_dist`` is accepted for TorchRec parity)."""
         if model is not None:
-            self._model = model
-        self._model_attached = True
-        if self._pipelined_modules:
+            self._tr_model = model
+        self._tr_mark_attached()
+        if self._tr_pipelined_modules:
             step = next((s for lane in self._lanes.values() for s in lane.steps), None)
-            self._rewrite(step.batch if step else None, step.context if step else self._create_context())
-            self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+            self._tr_rewrite(step.batch if step else None, step.context if step else self._tr_new_context())
+            self._tr_override_input_dist_forwards()
             self._classify_modules()
 
     # ---- the calling thread -------------------------------------------------------------
@@ -346,10 +374,9 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         if future is None or not future.done() or future.exception() is not None:
             return
         for module in self._host_modules:
-            release = getattr(module, "release_context", None)
             entry = future.result().get(self._name_of(module))
-            if callable(release) and entry is not None:
-                release(entry[0])
+            if entry is not None:
+                cast(HostStagedModule, module).release_context(entry[0])
 
     def _enter_mode(self, training: bool) -> _Lane:
         lane = self._lanes[training]
@@ -366,36 +393,63 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return lane
 
     def _fill(self, lane: _Lane, dataloader_iter: Iterator[In]) -> None:
+        """Read batches until ``pipe_n_batch`` are ahead of the one to compute; start their host stages.
+
+        The reads of this call are agreed on across the ranks before anything of them
+        starts: if the iterator raised on any rank, every rank raises here (see
+        :meth:`_agree_on_reads`), before any collective of this call.
+        """
         if dataloader_iter is not lane.iterator:
             lane.iterator = dataloader_iter
             lane.exhausted = False
-        while len(lane.steps) < 1 + self._pipe_n_batch:
-            batch = None if lane.exhausted else next(dataloader_iter, None)
-            if batch is None:
-                lane.exhausted = True
-                if not self._execute_all_batches:
-                    raise StopIteration
-                break
-            with self._stream_context(self._memcpy_stream):
-                batch = _to_device(batch, self._device, non_blocking=True)
-            self._batch_count += 1
-            step = _Step(batch=batch, context=self._create_context())
-            lane.steps.append(step)
-            if not self._pipelined_modules:
+        read: list[_Step] = []
+        error: Exception | None = None
+        try:
+            while not lane.exhausted and len(lane.steps) + len(read) < 1 + self._pipe_n_batch:
+                batch = next(dataloader_iter, None)
+                if batch is None:
+                    lane.exhausted = True
+                    break
+                read.append(_Step(batch=self._tr_copy_to_device(batch), context=self._tr_new_context()))
+        except Exception as e:  # the user's iterator (or the copy) failed: every rank stops here
+            error = e
+        self._agree_on_reads(error)
+        lane.steps.extend(read)
+        for step in read:
+            if not self._tr_pipelined_modules:
                 self._bootstrap(step)
             else:
                 step.host_future = self._submit_host_stage(step)
+        if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
+            raise StopIteration
+
+    def _agree_on_reads(self, error: Exception | None) -> None:
+        """Once per :meth:`progress` on every rank: raise on all if the data iterator failed on any.
+
+        The failing rank re-raises its own exception, the others raise
+        :class:`HostStageError`; the pipeline refuses later calls (chained to it).
+        """
+        if self._read_agreement is None:
+            self._read_agreement = FailureAgreement(
+                _gloo_world_group(), what="the data iterator", peer_error=HostStageError
+            )
+        try:
+            self._read_agreement.check(error)
+        except BaseException as e:
+            self._failure = error if error is not None else e
+            if error is not None:
+                raise error from None
+            raise
 
     def _bootstrap(self, step: _Step) -> None:
         """First batch: rewrite the model and run its whole input dist here, inline."""
         context = step.context
-        self._rewrite(step.batch, context)
-        with self._stream_context(self._data_dist_stream):
-            _wait_for_batch(step.batch, self._memcpy_stream)
-            _start_data_dist(self._pipelined_modules, step.batch, context)
+        self._tr_rewrite(step.batch, context)
+        with self._tr_data_dist_scope():
+            self._tr_start_data_dist(self._tr_pipelined_modules, step.batch, context)
             self.wait_sparse_data_dist(context)
         # The input dists exist now: swap in TorchRec's fused-splits forwards.
-        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+        self._tr_override_input_dist_forwards()
         self._classify_modules()
         host_names = [self._name_of(m) for m in self._host_modules]
         module_contexts = {n: context.module_contexts.pop(n) for n in host_names}
@@ -415,60 +469,34 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         step.host_future = done if host_names else None
         step.inline_started = True
 
-    def _rewrite(self, batch: Any, context: TrainPipelineContext) -> None:
-        (
-            self._pipelined_modules,
-            self._model,
-            self._original_forwards,
-            self._pipelined_postprocs,
-            _,
-        ) = _rewrite_model(
-            model=self._model,
-            context=context,
-            dist_stream=self._data_dist_stream,
-            default_stream=torch.get_device_module(self._device).current_stream(),
-            batch=batch,
-            apply_jit=self._apply_jit,
-            pipelined_forward=self._pipelined_forward_type,
-            pipeline_postproc=False,
-        )
-
     def _classify_modules(self) -> None:
-        """Host-stage a module iff all its input-dist groups are free of device traffic."""
-        device_pgs: list[Any] = [dist.group.WORLD]
-        for m in self._model.modules():
-            env = getattr(m, "_env", None)
-            pg = getattr(env, "process_group", None)
-            if isinstance(m, ShardedModule) and pg is not None and all(pg is not p for p in device_pgs):
-                device_pgs.append(pg)
+        """Host-stage a module iff it is a :class:`HostStagedModule` whose groups carry no device traffic."""
+        device_pgs = device_groups(self._tr_model)
         self._host_modules, self._inline_modules = [], []
-        host_pgs: list[Any] = []
-        self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._pipelined_modules}
-        for module in self._pipelined_modules:
-            pgs = [
-                d._dist._pg
-                for child in module.modules()
-                for d in getattr(child, "_input_dists", [])
-                if isinstance(getattr(d, "_dist", None), KJTAllToAll)
-            ]
-            if pgs and all(pg is not p for pg in pgs for p in device_pgs):
+        host_pgs: list[dist.ProcessGroup] = []
+        self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._tr_pipelined_modules}
+        for module in self._tr_pipelined_modules:
+            if is_host_staged(module, device_pgs):
                 self._host_modules.append(module)
-                for pg in pgs:
+                for pg in cast(HostStagedModule, module).host_input_groups():
                     if all(pg is not p for p in host_pgs):
                         host_pgs.append(pg)
             else:
                 self._inline_modules.append(module)
-                if hasattr(module, "post_input_dist"):
+                if isinstance(module, HostStagedModule):
                     logger.warning(
                         "%s: its input dist uses a device process group, so its host stage runs inline "
                         "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
                         self._name_of(module),
                     )
-        if not self._control_pgs_ready:
+        if self._host_agreements is None:
             # Every rank bootstraps at its first progress(), so all create these groups together.
             ranks = [dist.get_process_group_ranks(pg) for pg in host_pgs]
-            self._control_pgs = [dist.new_group(ranks=r, backend="gloo") for r in ranks if len(r) > 1]
-            self._control_pgs_ready = True
+            self._host_agreements = [
+                FailureAgreement(dist.new_group(ranks=r, backend="gloo"), peer_error=HostStageError)
+                for r in ranks
+                if len(r) > 1
+            ]
 
     def _start_inline(self, step: _Step) -> None:
         if step.inline_started:
@@ -476,13 +504,12 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         step.inline_started = True
         if not self._inline_modules:
             return
-        with self._stream_context(self._data_dist_stream):
-            _wait_for_batch(step.batch, self._memcpy_stream)
-            _start_data_dist(self._inline_modules, step.batch, step.context)
+        with self._tr_data_dist_scope():
+            self._tr_start_data_dist(self._inline_modules, step.batch, step.context)
 
     def _wait_inline(self, step: _Step) -> None:
         if step.context.fused_splits_awaitables:
-            with self._stream_context(self._data_dist_stream):
+            with self._tr_data_dist_scope():
                 self.wait_sparse_data_dist(step.context)
 
     def _finish_host_stage(self, step: _Step) -> None:
@@ -499,7 +526,7 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             step.context.input_dist_tensors_requests[name] = NoWait(kjts)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
-        result = self._model(batch)
+        result = self._tr_model(batch)
         if not self._output_checked:
             if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
                 got = type(result).__name__
@@ -517,12 +544,6 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     # ---- the host thread ----------------------------------------------------------------
 
-    def _setup_host_thread(self) -> None:
-        if self._device.type not in ("cpu", "meta"):
-            module = torch.get_device_module(self._device)
-            if hasattr(module, "set_device") and self._device.index is not None:
-                module.set_device(self._device)
-
     def _submit_host_stage(self, step: _Step) -> Future[_HostResult] | None:
         if not self._host_modules:
             return None
@@ -535,10 +556,9 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         result: _HostResult = {}
         error: BaseException | None = None
         try:
-            context = self._context_type(index=index, version=1)
-            with self._stream_context(self._data_dist_stream):
-                _wait_for_batch(batch, self._memcpy_stream)
-                _start_data_dist(self._host_modules, batch, context)
+            context = self._tr_host_context(index)
+            with self._tr_data_dist_scope():
+                self._tr_start_data_dist(self._host_modules, batch, context)
                 self.wait_sparse_data_dist(context)
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
         except BaseException as e:
@@ -547,43 +567,34 @@ class HybridTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return result
 
     def _map_ids(self, module_contexts: dict[str, Any], requests: dict[str, Any]) -> _HostResult:
-        """Receive each module's ids and run its ``post_input_dist`` (if it has one)."""
+        """Receive each host-staged module's ids and run its ``post_input_dist``."""
         result: _HostResult = {}
         for module in self._host_modules:
             name = self._name_of(module)
             module_context, kjts = module_contexts[name], requests[name].wait()
-            post_input_dist = getattr(module, "post_input_dist", None)
-            if callable(post_input_dist):
-                kjts = post_input_dist(module_context, kjts)
-            result[name] = (module_context, kjts)
+            result[name] = (module_context, cast(HostStagedModule, module).post_input_dist(module_context, kjts))
         return result
 
     def _agree(self, index: int | None, error: BaseException | None) -> None:
         """Tell every rank whether this batch's host stage failed anywhere; raise if so.
 
-        One all-reduce of a flag per rank and batch, over the pipeline's own control group:
-        only this function issues collectives there, once per batch on every rank, whatever
-        happened before, so it cannot fall out of step with the other ranks. A rank whose
-        stage failed re-raises its own exception; the others raise :class:`HostStageError`.
+        One :class:`~recsdk.sharding.FailureAgreement` per control group (the pipeline's own
+        small gloo group per host group): only this function issues collectives there, once
+        per batch on every rank and group, whatever happened before, so it cannot fall out
+        of step with the other ranks. A rank whose stage failed re-raises its own exception;
+        the others raise :class:`HostStageError` naming the failed ranks.
         """
-        failed: list[int] = []
-        try:
-            for pg in self._control_pgs:
-                flags = torch.zeros(pg.size(), dtype=torch.int32)
-                flags[pg.rank()] = int(error is not None)
-                dist.all_reduce(flags, group=pg)
-                failed += [r for r, f in enumerate(flags.tolist()) if f and r not in failed]
-        except BaseException:
-            if error is not None:
-                raise error from None
-            raise
+        raised: BaseException | None = None
+        for agreement in self._host_agreements or []:
+            try:
+                agreement.check(error, what=f"the host stage of batch {index}")
+            except BaseException as e:  # still join the other groups' agreements
+                if raised is None:
+                    raised = e
         if error is not None:
             raise error
-        if failed:
-            raise HostStageError(
-                f"the host stage of batch {index} failed on rank(s) {failed} of the host group; "
-                "their progress() raises the error"
-            )
+        if raised is not None:
+            raise raised
 
     def _name_of(self, module: ShardedModule) -> str:
         return self._names.get(id(module), type(module).__name__)
