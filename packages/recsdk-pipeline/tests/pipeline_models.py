@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,36 @@ PLAIN_ROWS = 64
 NUM_DENSE = 4
 
 
+@dataclass
+class HybridBatch(Batch):
+    """A :class:`~recsdk.data.Batch` whose ``sparse_features`` feed the HashEBC (``f0``, ``f1``)
+    and ``plain_features`` the plain EBC (``f2``): a hash module takes exactly its own features."""
+
+    plain_features: KeyedJaggedTensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> HybridBatch:
+        moved = super().to(device, non_blocking)
+        return HybridBatch(
+            moved.dense_features,
+            moved.sparse_features,
+            moved.labels,
+            self.plain_features.to(device=torch.device(device), non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> HybridBatch:
+        pinned = super().pin_memory()
+        if pinned is self:
+            return self
+        return HybridBatch(
+            pinned.dense_features, pinned.sparse_features, pinned.labels, self.plain_features.pin_memory()
+        )
+
+    def record_stream(self, stream: Any) -> None:
+        super().record_stream(stream)
+        if stream is not None and self.dense_features.device.type != "cpu":
+            self.plain_features.record_stream(stream)
+
+
 class HybridModel(nn.Module):
     """HashEBC (t0 row-wise, t1 table-wise) + a plain EBC (t2) + dense layers; returns (loss, probs)."""
 
@@ -53,9 +84,9 @@ class HybridModel(nn.Module):
             device=torch.device("meta"),
         )
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: HybridBatch) -> tuple[torch.Tensor, torch.Tensor]:
         hashed = self.ebc(batch.sparse_features)
-        plain = self.plain(batch.sparse_features)
+        plain = self.plain(batch.plain_features)
         x = torch.cat([F.relu(self.dense(batch.dense_features)), hashed.values(), plain.values()], dim=1)
         logits = self.over(x).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -106,7 +137,7 @@ def default_id_pool() -> torch.Tensor:
 
 def make_batches(
     num_batches: int, rank: int, seed: int, batch_size: int = 8, id_pools: list[torch.Tensor] | None = None
-) -> list[Batch]:
+) -> list[HybridBatch]:
     """Deterministic batches per (seed, rank); the ids of hash feature ``i`` are drawn from
     ``id_pools[i]`` (default: :func:`default_id_pool` for both)."""
     pools = id_pools if id_pools is not None else [default_id_pool()] * len(HASH_FEATURES)
@@ -122,7 +153,8 @@ def make_batches(
         kjt = KeyedJaggedTensor(keys=[*HASH_FEATURES, PLAIN_FEATURE], values=torch.cat(values), lengths=lengths)
         dense = torch.rand(batch_size, NUM_DENSE, generator=g)
         labels = torch.randint(0, 2, (batch_size,), generator=g).float()
-        batches.append(Batch(dense, kjt, labels))
+        hashed, plain = kjt.split([len(HASH_FEATURES), 1])
+        batches.append(HybridBatch(dense, hashed, labels, plain))
     return batches
 
 
@@ -165,7 +197,7 @@ def equal_snapshots(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in keys if k not in a or k not in b or not same(a[k], b[k]))
 
 
-def plain_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: list[tuple[str, Batch]]) -> list[Any]:
+def plain_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: list[tuple[str, HybridBatch]]) -> list[Any]:
     """The reference: each step trains (``"train"``) or evaluates (``"eval"``) one batch."""
     results = []
     for mode, batch in steps:
