@@ -34,7 +34,8 @@ class _SumReceivedPartials(torch.autograd.Function):
         ctx.splits = splits
         ctx.pg = pg
         world_size = len(splits)
-        return received.view(world_size, splits[pg.rank()], -1).sum(0)
+        # Explicit width: a rank with no samples has 0 rows, and view(..., 0, -1) is ambiguous.
+        return received.view(world_size, splits[pg.rank()], received.shape[1]).sum(0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]

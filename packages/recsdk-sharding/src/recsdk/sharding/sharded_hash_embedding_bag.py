@@ -300,13 +300,20 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 def _empty_batch(features: list[str], received: Any, weighted: bool) -> KeyedJaggedTensor:
-    """A batch of the configured features with no ids, as wide as ``received`` if it is a KJT."""
-    stride = received.stride() if isinstance(received, KeyedJaggedTensor) else 0
+    """A batch of the configured features with no ids, standing in for a bad one.
+
+    As wide as ``received`` and with its dtypes where it is a KJT (the peers' all-to-alls
+    expect the sizes and dtypes they send), int64 otherwise.
+    """
+    kjt = received if isinstance(received, KeyedJaggedTensor) else None
+    stride = kjt.stride() if kjt is not None else 0
+    values_dtype = kjt.values().dtype if kjt is not None and not kjt.values().is_floating_point() else torch.int64
+    weights = kjt.weights_or_none() if kjt is not None else None
     return KeyedJaggedTensor(
         keys=features,
-        values=torch.empty(0, dtype=torch.int64),
-        weights=torch.empty(0) if weighted else None,
-        lengths=torch.zeros(len(features) * stride, dtype=torch.int32),
+        values=torch.empty(0, dtype=values_dtype),
+        weights=torch.empty(0, dtype=weights.dtype if weights is not None else torch.float32) if weighted else None,
+        lengths=torch.zeros(len(features) * stride, dtype=kjt.lengths().dtype if kjt is not None else torch.int64),
         stride=stride,
     )
 

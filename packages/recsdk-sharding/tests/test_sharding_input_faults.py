@@ -1,0 +1,155 @@
+"""Bad or unusual input on one rank of a sharded HashEBC: a named error on every rank, fast.
+
+A bad batch on one rank must not leave its peers in the id all-to-all until the process-group
+timeout: every rank raises within seconds. Empty batches and any key order train normally.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from sharding_models import SparseNN, shard, sharded_hash_ebc, tables
+from torchrec.distributed.planner import ParameterConstraints
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.data import Batch
+from recsdk.data.testing import run_distributed
+
+ROW_WISE = {n: ParameterConstraints(sharding_types=["row_wise"]) for n in ("t0", "t1")}
+TABLE_WISE = {n: ParameterConstraints(sharding_types=["table_wise"]) for n in ("t0", "t1")}
+MIXED = {"t0": ParameterConstraints(sharding_types=["row_wise"]), "t1": ParameterConstraints(sharding_types=["table_wise"])}
+PLANS = {"row_wise": ROW_WISE, "table_wise": TABLE_WISE, "mixed": MIXED}
+# Far below the process-group timeout of run_distributed (its default), which a hang would hit.
+FAST_S = 10.0
+
+
+def _model(plan: str, capacity: int = 256, **policies) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = SparseNN(tables(capacity=capacity, dims=(8, 8), **policies), num_dense=4, device="meta")
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.01, "eps": 0.1})
+    return shard(model, batch_size=8, constraints=PLANS[plan])
+
+
+def _batch(n: int, seed: int, keys: tuple[str, ...] = ("f0", "f1")) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (len(keys) * n,), generator=g)
+    ids = torch.randint(-(2**62), 2**62, (int(lengths.sum()),), generator=g)
+    kjt = KeyedJaggedTensor(keys=list(keys), values=ids, lengths=lengths)
+    return Batch(torch.randn(n, 4, generator=g), kjt, torch.randint(0, 2, (n,), generator=g).float())
+
+
+def _train(model: torch.nn.Module, batch: Batch) -> float:
+    loss, _ = model(batch)
+    loss.backward()
+    return float(loss)
+
+
+def _bad_batch_on_rank0(rank: int, world_size: int, plan: str, fault: str) -> dict:
+    model = _model(plan)
+    _train(model, _batch(8, seed=rank))  # a good first batch builds the input dists
+    batch = _batch(8, seed=10 + rank)
+    if rank == 0:
+        kjt = batch.sparse_features
+        if fault == "unknown_last":
+            kjt = KeyedJaggedTensor(
+                keys=["f0", "f1", "zzz"], values=torch.cat([kjt.values(), torch.tensor([5])]),
+                lengths=torch.cat([kjt.lengths(), torch.ones(8, dtype=kjt.lengths().dtype)]),
+            )  # fmt: skip
+        elif fault == "unknown_first":
+            kjt = KeyedJaggedTensor(
+                keys=["zzz", "f0", "f1"], values=torch.cat([torch.tensor([5]), kjt.values()]),
+                lengths=torch.cat([torch.ones(8, dtype=kjt.lengths().dtype), kjt.lengths()]),
+            )  # fmt: skip
+        elif fault == "missing":
+            f0 = kjt["f0"]
+            kjt = KeyedJaggedTensor(keys=["f0"], values=f0.values(), lengths=f0.lengths())
+        elif fault == "short_lengths":  # lengths sum to fewer than the ids
+            kjt = KeyedJaggedTensor(
+                keys=kjt.keys(), values=torch.cat([kjt.values(), torch.tensor([1, 2, 3])]), lengths=kjt.lengths()
+            )
+        batch = Batch(batch.dense_features, kjt, batch.labels)
+    start = time.monotonic()
+    try:
+        _train(model, batch)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("unknown_last", "unknown ['zzz']"),
+        ("unknown_first", "unknown ['zzz']"),
+        ("missing", "missing ['f1']"),
+        ("short_lengths", "sum to"),
+    ],
+)
+def test_a_bad_batch_on_one_rank_raises_a_named_error_on_every_rank(fault: str, expected: str) -> None:
+    own, peer = run_distributed(_bad_batch_on_rank0, 2, "mixed", fault, timeout_s=90)
+    assert own["error"] == "ValueError", own
+    assert expected in own["message"] and "HashEmbeddingBagCollection" in own["message"], own
+    assert peer["error"] == "PeerFailureError", peer
+    assert "failed on rank(s) [0]" in peer["message"] and expected in peer["message"], peer
+    assert own["seconds"] < FAST_S and peer["seconds"] < FAST_S, (own, peer)
+
+
+def _shuffled_keys(rank: int, world_size: int, plan: str) -> list[float]:
+    """Train with the keys in one order, then the other: the same model as always one order."""
+    losses = []
+    for order in (("f0", "f1"), ("f1", "f0"), ("f0", "f1")):
+        model = _model(plan)
+        step_losses = []
+        for step in range(3):
+            batch = _batch(8, seed=100 * rank + step)
+            if step == 1:  # the second batch comes with its keys in `order`
+                kjt = batch.sparse_features
+                kjt = kjt.permute([kjt.keys().index(k) for k in order])
+                batch = Batch(batch.dense_features, kjt, batch.labels)
+            step_losses.append(_train(model, batch))
+        losses.append(step_losses)
+    return losses
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_any_key_order_works_on_every_plan(plan: str) -> None:
+    for same, swapped, again in run_distributed(_shuffled_keys, 2, plan, timeout_s=120):
+        assert swapped == same == again
+
+
+def _empty_batch_on_rank0(rank: int, world_size: int, plan: str) -> dict:
+    model = _model(plan)
+    losses = []
+    for step in range(3):
+        batch = _batch(0 if rank == 0 else 8, seed=100 * rank + step)
+        losses.append(_train(model, batch))
+    stored = {name: len(t) for name, t in sharded_hash_ebc(model).id_tables.items()}
+    return {"losses": losses, "stored": stored}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_rank_with_an_empty_batch_trains(plan: str) -> None:
+    empty, full = run_distributed(_empty_batch_on_rank0, 2, plan, timeout_s=90)
+    assert all(loss == loss for loss in full["losses"])  # finite, not NaN
+    # Rank 1's ids were stored (on whichever rank owns them); the empty rank contributed none.
+    assert sum(empty["stored"].values()) + sum(full["stored"].values()) > 0
+
+
+def _table_full(rank: int, world_size: int) -> str:
+    model = _model("row_wise", capacity=16)  # 8 rows per rank, no eviction
+    try:
+        for step in range(20):
+            _train(model, _batch(8, seed=100 * rank + step))
+    except Exception as e:
+        return str(e)
+    return ""
+
+
+def test_a_full_sharded_table_names_the_users_table_and_its_share() -> None:
+    messages = run_distributed(_table_full, 2, timeout_s=90)
+    own = next(m for m in messages if m.startswith("table 't"))
+    assert "num_embeddings of table 't" in own and "@rank" not in own.split(". Raise", 1)[-1], own
+    assert "of the table's 16 rows" in own, own
