@@ -20,7 +20,10 @@ from recsdk.data.testing import run_distributed
 
 ROW_WISE = {n: ParameterConstraints(sharding_types=["row_wise"]) for n in ("t0", "t1")}
 TABLE_WISE = {n: ParameterConstraints(sharding_types=["table_wise"]) for n in ("t0", "t1")}
-MIXED = {"t0": ParameterConstraints(sharding_types=["row_wise"]), "t1": ParameterConstraints(sharding_types=["table_wise"])}
+MIXED = {
+    "t0": ParameterConstraints(sharding_types=["row_wise"]),
+    "t1": ParameterConstraints(sharding_types=["table_wise"]),
+}
 PLANS = {"row_wise": ROW_WISE, "table_wise": TABLE_WISE, "mixed": MIXED}
 # Far below the process-group timeout of run_distributed (its default), which a hang would hit.
 FAST_S = 10.0
