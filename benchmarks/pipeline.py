@@ -36,121 +36,64 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _common import (
+    DLRM,
+    embedding_collection,
+    feature_names,
+    host_env,
+    random_batches,
+    remap_ids,
+    set_threads,
+    shard,
+    table_configs,
+)
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data import Batch, RandomRecDataset
+from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
-from recsdk.pipeline import (
-    CombinedOptimizer,
-    HybridTrainPipelineSparseDist,
-    KeyedOptimizerWrapper,
-    apply_optimizer_in_backward,
-    in_backward_optimizer_filter,
-)
+from recsdk.pipeline import CombinedOptimizer, HybridTrainPipelineSparseDist
 from recsdk.sharding import ShardedHashEmbeddingBagCollection, get_default_hybrid_sharders
-
-NUM_DENSE = 13
-
-
-class DLRM(nn.Module):
-    """Bottom MLP on dense features, pooled embeddings, top MLP; returns (loss, probabilities)."""
-
-    def __init__(self, ebc: nn.Module, num_features: int, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.bottom = nn.Sequential(nn.Linear(NUM_DENSE, hidden), nn.ReLU(), nn.Linear(hidden, dim), nn.ReLU())
-        self.ebc = ebc
-        self.top = nn.Sequential(nn.Linear(dim * (num_features + 1), hidden), nn.ReLU(), nn.Linear(hidden, 1))
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.ebc(batch.sparse_features)
-        x = torch.cat([self.bottom(batch.dense_features), pooled.values()], dim=1)
-        logits = self.top(x).squeeze(-1)
-        return F.binary_cross_entropy_with_logits(logits, batch.labels), torch.sigmoid(logits.detach())
-
-
-def _features(args: argparse.Namespace) -> list[str]:
-    return [f"f{i}" for i in range(args.features)]
 
 
 def _batches(args: argparse.Namespace, rank: int, world_size: int) -> list[Batch]:
-    dataset = RandomRecDataset(
+    return random_batches(
         batch_size=args.batch_size,
         num_batches=args.distinct_batches,
-        feature_names=_features(args),
-        id_ranges=args.id_range,
-        num_dense_features=NUM_DENSE,
-        pooling_factors=args.pooling,
-        seed=0,
+        features=feature_names(args.features),
+        id_range=args.id_range,
+        pooling=args.pooling,
         rank=rank,
         world_size=world_size,
     )
-    return list(dataset)
 
 
 def _remapped(args: argparse.Namespace, world_size: int, rank: int) -> list[Batch]:
     """This rank's batches with every feature's ids remapped offline to 0..N-1 (over all ranks)."""
     per_rank = [_batches(args, r, world_size) for r in range(world_size)]
-    uniques = {
-        f: torch.unique(torch.cat([b.sparse_features[f].values() for batches in per_rank for b in batches]))
-        for f in _features(args)
-    }
-    out = []
-    for b in per_rank[rank]:
-        kjt = b.sparse_features
-        values = torch.cat([torch.searchsorted(uniques[f], kjt[f].values()) for f in kjt.keys()])
-        remapped = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
-        out.append(Batch(b.dense_features, remapped, b.labels))
-    return out
+    return remap_ids(per_rank, feature_names(args.features))[rank]
 
 
 def _build(hashed: bool, args: argparse.Namespace) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     torch.manual_seed(0)
-    features = _features(args)
-    rows = 2 * args.id_range
-    if hashed:
-        configs: list[EmbeddingBagConfig] = [
-            HashEmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[f])
-            for i, f in enumerate(features)
-        ]
-        ebc: nn.Module = HashEmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    else:
-        configs = [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[f])
-            for i, f in enumerate(features)
-        ]
-        ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    model = DLRM(ebc, len(features), args.dim, args.hidden)
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05, "eps": 0.1})
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
-    sharders = get_default_hybrid_sharders(host_env=host_env)
+    features = feature_names(args.features)
+    configs = table_configs("hash" if hashed else "torchrec", features, args.dim, rows=2 * args.id_range)
+    model = DLRM(embedding_collection(configs), features, args.dim, args.hidden)
+    sharders = get_default_hybrid_sharders(host_env=host_env())  # a host group of its own per model
     constraints = {c.name: ParameterConstraints(sharding_types=["row_wise"]) for c in configs}
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size, constraints=constraints)
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=0.05),
-    )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return shard(model, sharders, constraints, args.batch_size)
 
 
 class HostStageTimer:
     """Times the host stage of a sharded HashEBC inside a plain loop.
 
     Replaces the module's ``forward`` with ``ShardedModule.forward``'s own steps, timed:
-    ``input_dist`` and its two waits (bucketing, the id all-to-alls), then ``post_input_dist``
-    (id-table mapping, copy), then ``compute_and_output_dist`` (not counted).
+    ``input_dist`` and its two waits (bucketing, the id all-to-alls), then the id mapping a
+    plain loop runs at the start of ``compute_and_output_dist`` (release the last batch's rows,
+    map inline without holding them ahead), then ``compute_and_output_dist`` (not counted; it
+    finds the batch mapped).
     """
 
     def __init__(self, module: ShardedHashEmbeddingBagCollection) -> None:
@@ -160,8 +103,8 @@ class HostStageTimer:
             start = time.perf_counter()
             ctx = module.create_context()
             received = module.input_dist(ctx, *inputs).wait().wait()
-            # As a plain loop maps: inline, no pins (post_input_dist pins: it maps ahead).
-            mapped = module._post_input_dist(ctx, received, pin=False)
+            module.release_finished_pins()
+            mapped = module._map(ctx, received, ahead=False)  # post_input_dist maps ahead: it holds rows
             self.seconds += time.perf_counter() - start
             return module.compute_and_output_dist(ctx, mapped)
 
@@ -195,8 +138,7 @@ def _timed(step: Callable[[Iterator[Batch]], Any], it: Iterator[Batch], steps: i
 
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:  # this benchmark's own rank process; the library never does this
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     raw = _batches(args, rank, world_size)
     remapped = _remapped(args, world_size, rank)
 

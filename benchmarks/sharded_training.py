@@ -32,124 +32,59 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _common import (
+    DLRM,
+    embedding_collection,
+    feature_names,
+    host_env,
+    random_batches,
+    remap_ids,
+    set_threads,
+    shard,
+    table_configs,
+)
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data import Batch, RandomRecDataset
+from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
 from recsdk.sharding import get_default_hybrid_sharders
 
 
-class DLRM(nn.Module):
-    """Bottom MLP on dense features, pooled embeddings by key, top MLP; returns (loss, probs)."""
-
-    def __init__(self, ebc: nn.Module, features: list[str], num_dense: int, dim: int) -> None:
-        super().__init__()
-        self.bottom = nn.Sequential(nn.Linear(num_dense, 64), nn.ReLU(), nn.Linear(64, dim), nn.ReLU())
-        self.ebc = ebc
-        self.features = features
-        self.top = nn.Sequential(nn.Linear(dim * (len(features) + 1), 64), nn.ReLU(), nn.Linear(64, 1))
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.ebc(batch.sparse_features)
-        if isinstance(pooled, tuple):  # ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids)
-            pooled = pooled[0]
-        pooled = pooled.to_dict()
-        x = torch.cat([self.bottom(batch.dense_features), *(pooled[f] for f in self.features)], dim=1)
-        logits = self.top(x).squeeze(-1)
-        return F.binary_cross_entropy_with_logits(logits, batch.labels), torch.sigmoid(logits.detach())
-
-
 def _datasets(args: argparse.Namespace, world_size: int) -> list[list[Batch]]:
-    features = [f"f{i}" for i in range(args.tables)]
     return [
-        list(
-            RandomRecDataset(
-                batch_size=args.batch_size,
-                num_batches=args.steps + args.warmup,
-                feature_names=features,
-                id_ranges=args.id_range,
-                num_dense_features=13,
-                pooling_factors=args.pooling,
-                seed=0,
-                rank=r,
-                world_size=world_size,
-            )
+        random_batches(
+            batch_size=args.batch_size,
+            num_batches=args.steps + args.warmup,
+            features=feature_names(args.tables),
+            id_range=args.id_range,
+            pooling=args.pooling,
+            rank=r,
+            world_size=world_size,
         )
         for r in range(world_size)
     ]
 
 
-def _remap(per_rank: list[list[Batch]], features: list[str]) -> list[list[Batch]]:
-    """Offline id remapping to 0..N-1 per feature over every rank's batches (the baseline's input)."""
-    uniques = {}
-    for f in features:
-        ids = torch.cat([b.sparse_features[f].values() for batches in per_rank for b in batches])
-        uniques[f] = torch.unique(ids)
-    out = []
-    for batches in per_rank:
-        mapped = []
-        for b in batches:
-            kjt = b.sparse_features
-            values = torch.cat([torch.searchsorted(uniques[f], kjt[f].values()) for f in kjt.keys()])
-            remapped = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
-            mapped.append(Batch(b.dense_features, remapped, b.labels))
-        out.append(mapped)
-    return out
-
-
-def _shard(model: nn.Module, sharders: list, constraints: dict, batch_size: int) -> DistributedModelParallel:
-    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
-    plan = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints).collective_plan(
-        model, sharders, dist.GroupMember.WORLD
-    )
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-
-
-def _build(variant: str, args: argparse.Namespace, host_env: ShardingEnv) -> tuple[nn.Module, Any]:
+def _build(variant: str, args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
-    features = [f"f{i}" for i in range(args.tables)]
-    sharders = get_default_hybrid_sharders(host_env=host_env)
+    features = feature_names(args.tables)
     if variant == "hash_rw":
-        configs = [
-            HashEmbeddingBagConfig(
-                name=f"t{i}", embedding_dim=args.dim, num_embeddings=2 * args.id_range, feature_names=[f]
-            )
-            for i, f in enumerate(features)
-        ]
-        ebc: nn.Module = HashEmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        configs = table_configs("hash", features, args.dim, rows=2 * args.id_range)
         sharding = "row_wise"
     elif variant in ("torchrec_tw", "torchrec_rw"):
-        configs = [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.id_range, feature_names=[f])
-            for i, f in enumerate(features)
-        ]
-        ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        configs = table_configs("torchrec", features, args.dim, rows=args.id_range)
         sharding = "table_wise" if variant == "torchrec_tw" else "row_wise"
     else:
         raise ValueError(variant)
-    model = DLRM(ebc, features, num_dense=13, dim=args.dim)
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05, "eps": 0.1})
-    constraints = {f"t{i}": ParameterConstraints(sharding_types=[sharding]) for i in range(args.tables)}
-    ddp_model = _shard(model, sharders, constraints, args.batch_size)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=0.05),
-    )
-    return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense])
+    model = DLRM(embedding_collection(configs), features, args.dim)
+    constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in configs}
+    return shard(model, get_default_hybrid_sharders(host_env=host), constraints, args.batch_size)
 
 
-def _build_mch(args: argparse.Namespace, host_env: ShardingEnv) -> tuple[nn.Module, Any]:
+def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
@@ -162,43 +97,31 @@ def _build_mch(args: argparse.Namespace, host_env: ShardingEnv) -> tuple[nn.Modu
     from recsdk.sharding import HybridEmbeddingBagCollectionSharder
 
     torch.manual_seed(0)
-    features = [f"f{i}" for i in range(args.tables)]
+    features = feature_names(args.tables)
     zch_size = 2 * args.id_range
-    configs = [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=zch_size, feature_names=[f])
-        for i, f in enumerate(features)
-    ]
+    configs: list[EmbeddingBagConfig] = table_configs("torchrec", features, args.dim, rows=zch_size)
     mcc = ManagedCollisionCollection(
         managed_collision_modules={
-            f"t{i}": MCHManagedCollisionModule(
+            c.name: MCHManagedCollisionModule(
                 zch_size=zch_size,
                 device=torch.device("meta"),
                 eviction_policy=DistanceLFU_EvictionPolicy(),
                 eviction_interval=1,
                 buckets=dist.get_world_size(),
             )
-            for i in range(args.tables)
+            for c in configs
         },
         embedding_configs=configs,
     )
-    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    model = DLRM(
-        ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=False), features, 13, args.dim
-    )
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05, "eps": 0.1})
+    ebc = embedding_collection(configs)
+    model = DLRM(ManagedCollisionEmbeddingBagCollection(ebc, mcc, return_remapped_features=False), features, args.dim)
     sharders = [
         ManagedCollisionEmbeddingBagCollectionSharder(
             ebc_sharder=HybridEmbeddingBagCollectionSharder(), mc_sharder=ManagedCollisionCollectionSharder()
         )
     ]
     row_wise = ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
-    constraints = {f"t{i}": row_wise for i in range(args.tables)}
-    ddp_model = _shard(model, sharders, constraints, args.batch_size)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=0.05),
-    )
-    return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense])
+    return shard(model, sharders, {c.name: row_wise for c in configs}, args.batch_size)
 
 
 def _time(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -> float:
@@ -215,24 +138,18 @@ def _time(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -
     return (len(batches) - warmup) * batches[0].batch_size * dist.get_world_size() / elapsed
 
 
-def _threads(args: argparse.Namespace) -> None:
-    if args.threads:  # this benchmark's own rank process; the library never does this
-        torch.set_num_threads(args.threads)
-
-
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    _threads(args)
-    host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
-    features = [f"f{i}" for i in range(args.tables)]
+    set_threads(args.threads)
+    host = host_env()
     raw = _datasets(args, world_size)
-    remapped = _remap(raw, features)
+    remapped = remap_ids(raw, feature_names(args.tables))
     runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {
-        "hash_rw": (*_build("hash_rw", args, host_env), raw[rank]),
-        "torchrec_tw": (*_build("torchrec_tw", args, host_env), remapped[rank]),
-        "torchrec_rw": (*_build("torchrec_rw", args, host_env), remapped[rank]),
+        "hash_rw": (*_build("hash_rw", args, host), raw[rank]),
+        "torchrec_tw": (*_build("torchrec_tw", args, host), remapped[rank]),
+        "torchrec_rw": (*_build("torchrec_rw", args, host), remapped[rank]),
     }
     if args.with_mch:
-        runs["torchrec_mch"] = (*_build_mch(args, host_env), raw[rank])
+        runs["torchrec_mch"] = (*_build_mch(args, host), raw[rank])
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
@@ -242,9 +159,8 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
 def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """Build and train MCH for a few steps: does TorchRec's managed collision train on CPU?"""
-    _threads(args)
-    host_env = ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
-    model, optimizer = _build_mch(args, host_env)
+    set_threads(args.threads)
+    model, optimizer = _build_mch(args, host_env())
     _time(model, optimizer, _datasets(args, world_size)[rank][:3], warmup=1)
 
 

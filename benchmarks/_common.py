@@ -1,0 +1,237 @@
+"""What the training benchmarks share: the DLRM, its tables, sharding it, the baselines' inputs.
+
+``sharded_training.py`` and ``pipeline.py`` train the same kind of model: a bottom MLP on the
+dense features, one embedding table per sparse feature, a top MLP on both. This module builds it
+once:
+
+- :class:`DLRM` and :func:`table_configs` / :func:`embedding_collection` (recsdk's
+  ``HashEmbeddingBagCollection`` on raw ids, or TorchRec's ``EmbeddingBagCollection``);
+- :func:`shard`: Adagrad fused into the tables' backward, TorchRec's plan over the world,
+  ``DistributedModelParallel`` on CPU, dense Adagrad, both in one ``CombinedOptimizer``;
+- :func:`random_batches` and :func:`remap_ids`: the synthetic batches of raw ids, and the same
+  ids remapped offline to ``0..N-1`` per feature, what TorchRec's baselines are fed.
+
+Not a benchmark itself (``nox -s bench`` runs only the scripts not starting with ``_``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.data import Batch, RandomRecDataset
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+
+__all__ = [
+    "DLRM",
+    "NUM_DENSE",
+    "embedding_collection",
+    "feature_names",
+    "host_env",
+    "random_batches",
+    "remap_ids",
+    "set_threads",
+    "shard",
+    "table_configs",
+]
+
+NUM_DENSE = 13  # dense features per sample, as Criteo
+SPARSE_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # Adagrad fused into the tables' backward
+DENSE_LR = 0.05  # Adagrad on the MLPs
+
+
+class DLRM(nn.Module):
+    """Bottom MLP on the dense features, pooled embeddings by feature name, top MLP.
+
+    ``forward(batch)`` returns ``(loss, probabilities)``: binary cross-entropy on the logits and
+    their sigmoid (detached), as the pipelines expect.
+
+    Args:
+        ebc (nn.Module): the embedding collection (any module returning a ``KeyedTensor``, or a
+            tuple whose first item is one, as ``ManagedCollisionEmbeddingBagCollection`` does).
+        features (list[str]): the sparse features, in the order the top MLP reads them.
+        dim (int): the embedding dim of every table, and the bottom MLP's output width.
+        hidden (int): the hidden width of both MLPs.
+        num_dense (int): dense features per sample.
+
+    Example::
+
+        model = DLRM(embedding_collection(table_configs("hash", ["f0"], dim=16, rows=1000)), ["f0"], dim=16)
+    """
+
+    def __init__(self, ebc: nn.Module, features: list[str], dim: int, hidden: int = 64, num_dense: int = NUM_DENSE):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(num_dense, hidden), nn.ReLU(), nn.Linear(hidden, dim), nn.ReLU())
+        self.ebc = ebc
+        self.features = list(features)
+        self.top = nn.Sequential(nn.Linear(dim * (len(features) + 1), hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.ebc(batch.sparse_features)
+        if isinstance(pooled, tuple):  # ManagedCollisionEmbeddingBagCollection: (pooled, remapped ids)
+            pooled = pooled[0]
+        # By name: a sharded collection may order its outputs differently from the configs.
+        # (No branch on the keys: TorchRec's pipeline traces this forward with torch.fx.)
+        by_name = pooled.to_dict()
+        x = torch.cat([self.bottom(batch.dense_features), *(by_name[f] for f in self.features)], dim=1)
+        logits = self.top(x).squeeze(-1)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels), torch.sigmoid(logits.detach())
+
+
+def feature_names(n: int) -> list[str]:
+    """``["f0", ..., f"f{n - 1}"]``: the sparse features, one table ``t<i>`` each."""
+    return [f"f{i}" for i in range(n)]
+
+
+def table_configs(
+    kind: Literal["hash", "torchrec"], features: list[str], dim: int, rows: int
+) -> list[EmbeddingBagConfig]:
+    """One table ``t<i>`` of ``rows`` rows and dim ``dim`` per feature.
+
+    Args:
+        kind (str): ``"hash"`` for ``HashEmbeddingBagConfig`` (raw ids), ``"torchrec"`` for
+            TorchRec's ``EmbeddingBagConfig`` (row indices).
+        features (list[str]): one table per feature, in this order.
+        dim (int): embedding dim.
+        rows (int): ``num_embeddings`` of every table.
+
+    Returns:
+        list[EmbeddingBagConfig]: the configs.
+    """
+    if kind not in ("hash", "torchrec"):
+        raise ValueError(f"table_configs: kind must be 'hash' or 'torchrec', got {kind!r}")
+    config = HashEmbeddingBagConfig if kind == "hash" else EmbeddingBagConfig
+    return [
+        config(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f]) for i, f in enumerate(features)
+    ]
+
+
+def embedding_collection(configs: list[EmbeddingBagConfig]) -> nn.Module:
+    """The collection of ``configs`` on the meta device (DistributedModelParallel allocates the shards).
+
+    ``HashEmbeddingBagCollection`` when the configs are ``HashEmbeddingBagConfig``, TorchRec's
+    ``EmbeddingBagCollection`` otherwise.
+    """
+    meta = torch.device("meta")
+    hashed = [c for c in configs if isinstance(c, HashEmbeddingBagConfig)]
+    if len(hashed) == len(configs):
+        return HashEmbeddingBagCollection(tables=hashed, device=meta)
+    if hashed:
+        raise ValueError("embedding_collection: mixes HashEmbeddingBagConfig and EmbeddingBagConfig tables")
+    return EmbeddingBagCollection(tables=configs, device=meta)
+
+
+def host_env() -> ShardingEnv:
+    """A new gloo group over the whole world, for the hybrid sharders' host id work."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    return ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
+
+
+def shard(
+    model: DLRM,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size: int,
+) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """Shard ``model`` over the world on CPU and build its optimizer.
+
+    Adagrad (lr 0.05, eps 0.1) is fused into the backward of ``model.ebc``; TorchRec's planner
+    makes one plan for all ranks under ``constraints``; the dense parameters get Adagrad (lr
+    0.05); both optimizers are combined.
+
+    Args:
+        model (DLRM): built on the meta device; its embedding tables are sharded.
+        sharders (list[ModuleSharder]): e.g. ``get_default_hybrid_sharders(host_env())``.
+        constraints (dict[str, ParameterConstraints]): table name -> the planner's constraints.
+        batch_size (int): samples per rank and step, for the planner's estimates.
+
+    Returns:
+        tuple[DistributedModelParallel, CombinedOptimizer]: the sharded model and its optimizer.
+    """
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), dict(SPARSE_OPTIMIZER))
+    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=DENSE_LR),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def random_batches(
+    *,
+    batch_size: int,
+    num_batches: int,
+    features: list[str],
+    id_range: int,
+    pooling: float,
+    rank: int,
+    world_size: int,
+) -> list[Batch]:
+    """Rank ``rank``'s share of the synthetic batches (seed 0): ``id_range`` raw ids per feature."""
+    dataset = RandomRecDataset(
+        batch_size=batch_size,
+        num_batches=num_batches,
+        feature_names=features,
+        id_ranges=id_range,
+        num_dense_features=NUM_DENSE,
+        pooling_factors=pooling,
+        seed=0,
+        rank=rank,
+        world_size=world_size,
+    )
+    return list(dataset)
+
+
+def remap_ids(per_rank: list[list[Batch]], features: list[str]) -> list[list[Batch]]:
+    """Every rank's batches with each feature's ids remapped offline to ``0..N-1``.
+
+    The map of a feature is over all ranks' batches (the sorted distinct ids), as an offline
+    remapping job would make it: TorchRec's ``EmbeddingBagCollection`` baselines train on these.
+
+    Args:
+        per_rank (list[list[Batch]]): rank -> its batches of raw ids.
+        features (list[str]): the sparse features to remap (all of the KJTs' keys).
+
+    Returns:
+        list[list[Batch]]: the same batches, with the same dense features, lengths and labels.
+    """
+    uniques = {
+        f: torch.unique(torch.cat([b.sparse_features[f].values() for batches in per_rank for b in batches]))
+        for f in features
+    }
+    out = []
+    for batches in per_rank:
+        mapped = []
+        for b in batches:
+            kjt = b.sparse_features
+            values = torch.cat([torch.searchsorted(uniques[f], kjt[f].values()) for f in kjt.keys()])
+            remapped = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(), stride=kjt.stride())
+            mapped.append(Batch(b.dense_features, remapped, b.labels))
+        out.append(mapped)
+    return out
+
+
+def set_threads(threads: int) -> None:
+    """``torch.set_num_threads(threads)`` in this benchmark's rank process; 0 keeps torch's default.
+
+    The library never sets it (global state is the caller's); the benchmarks default to 1, as
+    torchrun gives several ranks on one host.
+    """
+    if threads:
+        torch.set_num_threads(threads)
