@@ -446,6 +446,8 @@ class CriteoDataset(IterableDataset[Batch]):
             if "Empty CSV file" not in str(e):
                 raise
             return  # an empty file has no lines
+        except OSError as e:  # opening reads the first block: a truncated .gz can fail here
+            raise _read_error(path, 0, e) from e
 
         next_line = 1  # first line of the next block
         done = 0  # entries of `skipped` already handled
@@ -455,6 +457,8 @@ class CriteoDataset(IterableDataset[Batch]):
                     record_batch = reader.read_next_batch()
                 except StopIteration:
                     break
+                except OSError as e:  # e.g. pyarrow's bare "Truncated compressed stream"
+                    raise _read_error(path, next_line - 1, e) from e
                 n = record_batch.num_rows
                 pending = sorted(skipped[done:])
                 skip_lines = np.array([s for s, _ in pending], dtype=np.int64)
@@ -487,6 +491,16 @@ class CriteoDataset(IterableDataset[Batch]):
         if tail:
             next_line = max(next_line, tail[-1][0] + 1)
         progress["lines"] = next_line - 1
+
+
+def _read_error(path: Path, lines_read: int, error: OSError) -> OSError:
+    """``error`` (pyarrow's, which names no file) with the file and how far reading got.
+
+    Keeps the ``OSError`` subclass where the error has an errno (``OSError(errno, message)``
+    picks it, e.g. ``FileNotFoundError``).
+    """
+    message = f"{path}: {error} after {lines_read:,} rows (lines) of it were read; the file is cut short or corrupt"
+    return OSError(error.errno, message) if error.errno is not None else OSError(message)
 
 
 def _describe_bad_row(table: pa.RecordBatch, i: int) -> str:
