@@ -15,10 +15,11 @@ T = TypeVar("T")
 
 
 class HostStageError(RuntimeError):
-    """The host stage of a batch failed on another rank, or an earlier stage failed here.
+    """A host stage or the data iterator failed on another rank, or an earlier stage failed here.
 
-    The rank where a host stage raised re-raises that exception itself; the other ranks
-    raise this error for the same batch, so every rank stops at the same step.
+    The rank where a host stage (or its data iterator) raised re-raises that exception
+    itself; the other ranks raise this error at the same ``progress()`` call, so every rank
+    stops at the same step. The message names the failed ranks and their errors.
     """
 
 
