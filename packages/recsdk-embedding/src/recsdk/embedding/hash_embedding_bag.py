@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 from recsdk.embedding.config import HashEmbeddingBagConfig
 from recsdk.embedding.id_table import IdTable
+from recsdk.embedding.input_checks import check_features
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
 __all__ = ["HashEmbeddingBagCollection", "OptimizerAttachment"]
@@ -211,25 +212,11 @@ class HashEmbeddingBagCollection(EmbeddingBagCollection):
         return next(iter(self.embedding_bags.values())).weight.device
 
     def _check_input(self, features: KeyedJaggedTensor) -> None:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(
-                f"HashEmbeddingBagCollection.forward expects a KeyedJaggedTensor, got {type(features).__name__}"
-            )
-        keys = features.keys()
-        unknown = [k for k in keys if k not in self._all_features]
-        missing = [k for k in self._all_features if k not in keys]
-        if unknown or missing:
-            raise ValueError(
-                f"HashEmbeddingBagCollection: KJT keys {keys} differ from the configured features "
-                f"{self._all_features}: unknown {unknown}, missing {missing}"
-            )
-        values = features.values()
-        if values.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
-                f"HashEmbeddingBagCollection: ids of features {keys} must be int64 or int32, got {values.dtype}"
-            )
-        if self._is_weighted and features.weights_or_none() is None:
-            raise ValueError(f"HashEmbeddingBagCollection is weighted but the KJT of features {keys} has no weights")
+        """Reject a bad batch before any id table changes (keys, dtypes, weights, lengths).
+
+        The same checks, with the same messages, as the sharded module's ``input_dist``.
+        """
+        check_features(features, self._all_features, module="HashEmbeddingBagCollection", is_weighted=self._is_weighted)
 
     def _map_ids(
         self, cfg: HashEmbeddingBagConfig, weight: torch.Tensor, values: list[torch.Tensor]
