@@ -8,10 +8,14 @@ each round measures, slowest rank counted:
   every rank ``torch.save``-ing the same tensors (weights, optimizer state, id-table state
   dicts, dense state) to its own file, then ``fsync`` (``baseline``), and without the fsync
   (``baseline_nosync``);
-- ``load``: ``load_checkpoint`` into the live model (same world size) against ``torch.load`` of
-  those files followed by putting everything back (copying weights, optimizer and dense state
-  in, ``IdTable.load_state_dict``), i.e. the same restore done by hand (``baseline``), and
-  against the bare ``torch.load`` (``baseline_read_only``);
+- ``load``: ``load_checkpoint`` into the live model (same world size; ``verify=True``, the
+  default, checks every file's CRC-32 first) against ``torch.load`` of those files followed by
+  putting everything back (copying weights, optimizer and dense state in,
+  ``IdTable.load_state_dict``), i.e. the same restore done by hand (``baseline``), and against
+  the bare ``torch.load`` (``baseline_read_only``); ``no_verify_*`` is ``verify=False`` and
+  ``verify_cost`` the time verifying adds, as a fraction;
+- ``checksum_seconds`` (on the save line): the part of a save spent computing the CRC-32 of
+  the files (each rank its share), measured alone;
 - ``load_reshard`` (one rank, after the two-rank runs): ``load_checkpoint`` of the two-rank
   checkpoint on one rank, rebuilding the tables by id, against the bare ``torch.load`` of
   both files (which reshards nothing).
@@ -46,12 +50,14 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
 from recsdk.sharding import (
+    CHECKPOINT_MANIFEST,
     ShardedHashEmbeddingBagCollection,
     get_default_hybrid_sharders,
     load_checkpoint,
     owner,
     save_checkpoint,
 )
+from recsdk.sharding.checkpoint import files
 
 
 class Model(nn.Module):
@@ -100,7 +106,7 @@ def _fill(model: nn.Module, fill: float, rank: int, world_size: int) -> None:
         ids = torch.randint(-(2**62), 2**62, (3 * want * world_size,), generator=gen)
         ids = ids[owner(ids, world_size) == rank].unique()[:want]
         table.insert_at(ids, torch.arange(ids.numel()))
-        _, states = sebc._table_slices()[name]
+        _, states = sebc.table_views()[name]
         for s in states:
             s.copy_(torch.rand(s.shape, generator=gen))
 
@@ -108,10 +114,10 @@ def _fill(model: nn.Module, fill: float, rank: int, world_size: int) -> None:
 def _plain_state(model: nn.Module, optimizer: CombinedOptimizer) -> dict[str, Any]:
     """The same tensors the checkpoint holds, as one dict per rank for torch.save."""
     sebc = _sebc(model)
-    slices = sebc._table_slices()
+    views = sebc.table_views()
     out: dict[str, Any] = {}
     for name, table in sebc.id_tables.items():
-        weight, states = slices[name]
+        weight, states = views[name]
         out[f"{name}.weight"] = weight
         out[f"{name}.states"] = list(states)
         out[f"{name}.id_table"] = table.state_dict()
@@ -152,10 +158,10 @@ def _restore(model: nn.Module, optimizer: CombinedOptimizer, path: str) -> None:
     """What a hand-written torch.save checkpoint does on load: torch.load, then put everything back."""
     plain = torch.load(path, weights_only=False)
     sebc = _sebc(model)
-    slices = sebc._table_slices()
+    views = sebc.table_views()
     with torch.no_grad():
         for name, table in sebc.id_tables.items():
-            weight, states = slices[name]
+            weight, states = views[name]
             weight.copy_(plain[f"{name}.weight"])
             for s, saved in zip(states, plain[f"{name}.states"], strict=True):
                 s.copy_(saved)
@@ -182,7 +188,16 @@ def _two_ranks(rank: int, world_size: int, args: argparse.Namespace, root: str) 
     plain = _plain_state(model, optimizer)
     local_bytes = torch.tensor([_nbytes(plain)], dtype=torch.int64)
     dist.all_reduce(local_bytes)
-    keys = ("save", "save_base", "save_base_nosync", "load", "load_base", "load_base_read_only")
+    keys = (
+        "save",
+        "save_base",
+        "save_base_nosync",
+        "checksum",
+        "load",
+        "load_no_verify",
+        "load_base",
+        "load_base_read_only",
+    )
     times: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(args.rounds):
         ckpt = os.path.join(root, f"ckpt{i}")
@@ -190,13 +205,21 @@ def _two_ranks(rank: int, world_size: int, args: argparse.Namespace, root: str) 
         times["save"].append(_timed(lambda ckpt=ckpt, i=i: save_checkpoint(model, optimizer, ckpt, extra={"round": i})))
         times["save_base"].append(_timed(lambda f=plain_file: _torch_save(plain, f, sync=True)))
         times["save_base_nosync"].append(_timed(lambda f=plain_file + ".nosync": _torch_save(plain, f, sync=False)))
+        times["checksum"].append(_timed(lambda ckpt=ckpt: _checksum_share(ckpt, rank, world_size)))
         times["load"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt)))
+        times["load_no_verify"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt, verify=False)))
         times["load_base"].append(_timed(lambda f=plain_file: _restore(model, optimizer, f)))
         times["load_base_read_only"].append(_timed(lambda f=plain_file: torch.load(f, weights_only=False)))
         if i < args.rounds - 1 and rank == 0:
             shutil.rmtree(ckpt)
         dist.barrier()
     return {"times": times, "bytes": int(local_bytes), "last": os.path.join(root, f"ckpt{args.rounds - 1}")}
+
+
+def _checksum_share(ckpt: str, rank: int, world_size: int) -> None:
+    """What a save spends on checksums: this rank's share of the files (read back from the page cache)."""
+    names = files.data_files(ckpt, CHECKPOINT_MANIFEST)
+    files.describe(ckpt, files.my_share(names, rank, world_size))
 
 
 def _one_rank(rank: int, world_size: int, args: argparse.Namespace, ckpt: str, plain_files: list[str]) -> dict:
@@ -241,10 +264,15 @@ def main() -> None:
                 nosync = statistics.median(times["save_base_nosync"])
                 line["baseline_nosync_mb_per_s"] = round(mb / nosync, 1)
                 line["ratio_nosync"] = round(nosync / t, 3)
+                line["checksum_seconds"] = round(statistics.median(times["checksum"]), 3)
             else:
                 read_only = statistics.median(times["load_base_read_only"])
                 line["baseline_read_only_mb_per_s"] = round(mb / read_only, 1)
                 line["ratio_read_only"] = round(read_only / t, 3)
+                no_verify = statistics.median(times["load_no_verify"])
+                line["no_verify_mb_per_s"] = round(mb / no_verify, 1)
+                line["no_verify_seconds"] = round(no_verify, 3)
+                line["verify_cost"] = round(t / no_verify - 1, 3)
             print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **setup}), flush=True)
         if not args.no_reshard:
             plain_files = [os.path.join(root, f"plain{args.rounds - 1}.rank{r}.pt") for r in range(2)]

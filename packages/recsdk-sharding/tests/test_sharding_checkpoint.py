@@ -29,7 +29,7 @@ from recsdk.sharding import (
     load_checkpoint,
     save_checkpoint,
 )
-from recsdk.sharding.checkpoint import _fused_counters
+from recsdk.sharding.checkpoint.layout import fused_counters
 
 SAVE_AT, MORE, BATCH = 6, 4, 32
 CAPACITY = 256  # small enough that both tables evict within SAVE_AT steps
@@ -116,12 +116,12 @@ def _sebc(ddp_model) -> ShardedHashEmbeddingBagCollection:
 def _snapshot(ddp_model, optimizer) -> dict[str, Any]:
     """Everything a rank holds: per table shard (ids, rows, weights, optimizer state, id-table state), dense state."""
     sebc = _sebc(ddp_model)
-    slices = sebc._table_slices()
+    views = sebc.table_views()
     tables = {}
-    counters = _fused_counters(sebc)
+    counters = fused_counters(sebc)
     for name, table in sebc.id_tables.items():
         sd = table.state_dict()
-        weight, states = slices[name]
+        weight, states = views[name]
         rows = sd["rows"]
         tables[name] = {
             "state_dict": sd,

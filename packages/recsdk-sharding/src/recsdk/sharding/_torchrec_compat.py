@@ -96,3 +96,44 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     tensor hook during backward.
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+# ---- checkpoint and export
+
+__all__ += ["copy_sharded_", "empty_sharded_like", "is_sharded_tensor", "wrapped_optimizer"]
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ShardedTensor (TorchRec's sharded weights and their optimizer state).
+
+    torch keeps the class in the private ``torch.distributed._shard.sharded_tensor``.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def empty_sharded_like(value: Any) -> Any:
+    """A ShardedTensor with ``value``'s layout and uninitialised local shards (a staging buffer).
+
+    Built from ``value``'s own metadata and ``_process_group`` without a collective, through
+    torch's private ``_init_from_local_shards_and_global_metadata`` (the public constructor
+    all-gathers the shards' metadata).
+    """
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = [Shard(torch.empty_like(s.tensor), s.metadata) for s in value.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, value.metadata(), process_group=value._process_group
+    )
+
+
+def copy_sharded_(dest: Any, source: Any) -> None:
+    """Copy the local shards of the ShardedTensor ``source`` into those of ``dest`` (same layout)."""
+    for d, s in zip(dest.local_shards(), source.local_shards(), strict=True):
+        d.tensor.detach().copy_(s.tensor)
+
+
+def wrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer a TorchRec ``OptimizerWrapper`` wraps (kept in ``_optimizer``, no accessor)."""
+    return optimizer._optimizer

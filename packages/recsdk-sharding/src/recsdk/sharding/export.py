@@ -8,7 +8,8 @@ Layout of an export directory::
 Each file has two columns, ``id`` (int64, ascending) and ``embedding``
 (``fixed_size_list<float32>[embedding_dim]``), and the table name and dim in its schema
 metadata. Every id of a table appears in exactly one file. The directory is published
-atomically like a checkpoint (written under ``.<name>.partial-<token>``, renamed at the end).
+atomically like a checkpoint (written under ``.<name>.partial-<token>``, renamed at the end;
+removed if a write fails on any rank).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 from torch import nn
 
 from recsdk.embedding import HashEmbeddingBagCollection
-from recsdk.sharding.checkpoint import _begin_directory, _Comm, _publish_directory, _root
+from recsdk.sharding.checkpoint.comm import Comm
+from recsdk.sharding.checkpoint.errors import os_reason
+from recsdk.sharding.checkpoint.layout import root
+from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 
 __all__ = ["EXPORT_MANIFEST", "export_embeddings"]
@@ -49,28 +53,26 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
     Raises:
         FileExistsError: ``path`` exists.
         ValueError: two hash modules have a table of the same name, or the model has no hash table.
+        OSError: writing failed on this rank (e.g. ``errno.ENOSPC``); its first line names the file.
+        CheckpointError: writing failed on another rank (its error is in the message); nothing
+            is published and the partial directory is removed.
 
     Example::
 
         export_embeddings(ddp_model, "export/step_1000")
         table = pyarrow.parquet.read_table("export/step_1000/user")  # columns id, embedding
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     sharded: dict[str, ShardedHashEmbeddingBagCollection] = {}
     unsharded: dict[str, HashEmbeddingBagCollection] = {}
-    for fqn, module in _root(model).named_modules():
+    for fqn, module in root(model).named_modules():
         if isinstance(module, ShardedHashEmbeddingBagCollection):
             sharded[fqn] = module
         elif isinstance(module, HashEmbeddingBagCollection):
             unsharded[fqn] = module
     configs: list[tuple[str, str, int]] = [
-        (fqn, name, int(cfg.embedding_dim))
-        for fqn, m in sharded.items()
-        for name, cfg in m._table_name_to_config.items()
+        (fqn, name, int(cfg.embedding_dim)) for fqn, m in sharded.items() for name, cfg in m.table_configs.items()
     ]
     configs += [
         (fqn, cfg.name, int(cfg.embedding_dim)) for fqn, m in unsharded.items() for cfg in m.embedding_bag_configs()
@@ -86,45 +88,17 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
         dims[name] = dim
     if not owners:
         raise ValueError("the model holds no HashEmbeddingBagCollection table to export")
-    pg = next(iter(sharded.values()))._host_pg if sharded else None
-    comm = _Comm(pg)
+    pg = next(iter(sharded.values())).host_group if sharded else None
     final = os.path.abspath(os.fspath(path))
-    tmp = _begin_directory(final, comm, "export")
+    comm = Comm(pg, what=f"exporting embeddings to {final!r}")
+    tmp = begin_directory(final, comm, "export")
 
-    pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    for module in sharded.values():
-        slices = module._table_slices()
-        for name, table in module.id_tables.items():
-            ids, rows = table.ids_and_rows()
-            pieces.append((name, ids, slices[name][0].index_select(0, rows.to(slices[name][0].device))))
-    if comm.rank == 0:
-        for module in unsharded.values():
-            for name, table in module.id_tables.items():
-                if table.device.type == "meta":
-                    continue
-                ids, rows = table.ids_and_rows()
-                weight = module.embedding_bags[name].weight.detach()
-                pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
-
-    written: dict[str, int] = {}
-    error: BaseException | None = None
-    try:  # a failed write on one rank must fail every rank, not leave them waiting in the gather
-        for name, ids, emb in pieces:
-            order = torch.argsort(ids)
-            ids_np = ids[order].cpu().numpy()
-            emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-            dim = dims[name]
-            embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
-            arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
-            arrow = arrow.replace_schema_metadata({"recsdk.table": name, "recsdk.embedding_dim": str(dim)})
-            folder = os.path.join(tmp, name)
-            os.makedirs(folder, exist_ok=True)
-            pq.write_table(arrow, os.path.join(folder, f"part-{comm.rank:05d}-of-{comm.world:05d}.parquet"))
-            written[name] = int(ids_np.shape[0])
-    except Exception as e:
-        error = e
-    comm.agree(error)
-
+    try:
+        written = comm.run(_write_parts, sharded, unsharded, dims, tmp, comm.rank, comm.world)
+    except BaseException:
+        if comm.failed_together:  # every rank stopped writing
+            discard_directory(tmp, comm)
+        raise
     everyone = comm.gather(written)
     totals = {name: sum(w.get(name, 0) for w in everyone) for name in sorted(owners)}
     manifest = {
@@ -142,5 +116,52 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
             for name in sorted(owners)
         },
     }
-    _publish_directory(tmp, final, EXPORT_MANIFEST, manifest, comm)
+    publish_directory(tmp, final, EXPORT_MANIFEST, manifest, comm)
     return totals
+
+
+def _write_parts(
+    sharded: dict[str, ShardedHashEmbeddingBagCollection],
+    unsharded: dict[str, HashEmbeddingBagCollection],
+    dims: dict[str, int],
+    tmp: str,
+    rank: int,
+    world: int,
+) -> dict[str, int]:
+    """Write this rank's Parquet part of each table it holds (unsharded modules: rank 0); ids per table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pieces: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for module in sharded.values():
+        views = module.table_views()
+        for name, table in module.id_tables.items():
+            ids, rows = table.ids_and_rows()
+            weight = views[name].weight
+            pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
+    if rank == 0:
+        for module in unsharded.values():
+            for name, table in module.id_tables.items():
+                if table.device.type == "meta":
+                    continue
+                ids, rows = table.ids_and_rows()
+                weight = module.embedding_bags[name].weight.detach()
+                pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
+    written: dict[str, int] = {}
+    for name, ids, emb in pieces:
+        order = torch.argsort(ids)
+        ids_np = ids[order].cpu().numpy()
+        emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        dim = dims[name]
+        embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
+        arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
+        arrow = arrow.replace_schema_metadata({"recsdk.table": name, "recsdk.embedding_dim": str(dim)})
+        folder = os.path.join(tmp, name)
+        os.makedirs(folder, exist_ok=True)
+        part = os.path.join(folder, f"part-{rank:05d}-of-{world:05d}.parquet")
+        try:
+            pq.write_table(arrow, part)
+        except OSError as e:
+            raise OSError(e.errno, f"{os_reason(e)} writing {part!r}; the export was not published") from e
+        written[name] = int(ids_np.shape[0])
+    return written

@@ -1,0 +1,37 @@
+"""Checkpoints of hybrid-sharded models: atomic, verified, collective, and loadable on another world size.
+
+A checkpoint is a directory written with ``torch.distributed.checkpoint`` (DCP): one data file per
+rank, DCP's ``.metadata``, and ``recsdk_checkpoint.json``, the manifest, written last. It holds
+
+* per :class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection` table shard: the fused
+  kernel's weight rows and optimizer state rows, and the shard's whole
+  :class:`~recsdk.embedding.IdTable` state (ids and their rows, per-id eviction metadata
+  ``last_step`` and ``freq``, the free-row stack, admission counters, step clock and
+  statistics), plus the shard's fused optimizer counters that are not per row (an Adam step
+  count). Together these give every stored id its embedding, optimizer state and metadata, so
+  a table can be rebuilt **by id** on any world size;
+* the rest of the model's ``state_dict()`` (dense parameters and buffers, TorchRec-sharded
+  tensors of other modules, which DCP reshards itself);
+* the optimizer's state for everything but the hash tables and the hyperparameters of every
+  parameter group (learning rates set by a scheduler included);
+* each rank's ``extra`` object.
+
+The manifest also records every file's size and CRC-32. Saving writes into
+``.<name>.partial-<token>`` beside ``path`` and publishes it with one ``rename`` once every rank
+has finished; loading checks the files, reads into staging buffers and changes the model only
+once every rank has read and validated its part. A failure on one rank raises on every rank.
+
+Modules: :mod:`.save`, :mod:`.load` (with :mod:`.validate`, checking a checkpoint against the
+model, and :mod:`.reshard`, rebuilding tables by id), :mod:`.manifest` (the format),
+:mod:`.files` (sizes and checksums), :mod:`.publish` (atomic directories, shared with
+:mod:`recsdk.sharding.export`), :mod:`.layout` (what is read off the model),
+:mod:`.optimizer_state`, :mod:`.storage` (DCP) and :mod:`.comm` (collectives and the failure
+agreement).
+"""
+
+from recsdk.sharding.checkpoint.errors import CheckpointError
+from recsdk.sharding.checkpoint.load import load_checkpoint
+from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, latest_checkpoint
+from recsdk.sharding.checkpoint.save import save_checkpoint
+
+__all__ = ["CHECKPOINT_MANIFEST", "CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

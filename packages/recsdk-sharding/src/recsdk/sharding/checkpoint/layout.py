@@ -1,0 +1,128 @@
+"""What a checkpoint reads off the model: its sharded hash modules and how their tables are laid out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection, sharded_hash_modules
+
+__all__ = [
+    "TableLayout",
+    "admission_counters",
+    "fused_counters",
+    "hash_modules",
+    "hash_weight_keys",
+    "host_group",
+    "layouts",
+    "root",
+    "weight_key",
+]
+
+
+def root(model: nn.Module) -> nn.Module:
+    """The module ``DistributedModelParallel`` wraps (state-dict keys are relative to it), else ``model``."""
+    return model.module if isinstance(model, DistributedModelParallel) else model
+
+
+def hash_modules(model: nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:
+    """Sharded HashEBCs by FQN (as in ``model.state_dict()`` keys).
+
+    Raises:
+        TypeError: the model holds an unsharded ``HashEmbeddingBagCollection``.
+    """
+    for fqn, module in root(model).named_modules():
+        if isinstance(module, HashEmbeddingBagCollection) and not isinstance(module, ShardedHashEmbeddingBagCollection):
+            raise TypeError(
+                f"module {fqn or '<root>'!r} is an unsharded HashEmbeddingBagCollection: checkpoints cover hash "
+                "tables sharded by DistributedModelParallel with recsdk's sharders "
+                "(get_default_hybrid_sharders); shard the model first"
+            )
+    return sharded_hash_modules(model)
+
+
+def host_group(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> dist.ProcessGroup | None:
+    """The host (gloo) group of the first hash module; None without hash modules (the default group)."""
+    for module in modules.values():
+        return module.host_group
+    return None
+
+
+def weight_key(fqn: str, module: ShardedHashEmbeddingBagCollection, table: str) -> str:
+    """The table's weight key in ``model.state_dict()``."""
+    key = module.parameter_key(table)
+    return f"{fqn}.{key}" if fqn else key
+
+
+def hash_weight_keys(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> set[str]:
+    """The hash tables' weight keys in ``model.state_dict()`` (saved by shard, not as ``model/`` keys)."""
+    return {weight_key(fqn, m, name) for fqn, m in modules.items() for name in m.module_sharding_plan}
+
+
+@dataclass
+class TableLayout:
+    """How one table is split: ``shards`` is ``[(rank, row_offset, rows)]`` sorted by rank."""
+
+    sharding_type: str
+    num_embeddings: int
+    embedding_dim: int
+    shards: list[tuple[int, int, int]]
+
+    def rows_on(self, rank: int) -> int:
+        """Rows the table has on ``rank`` (0 if none)."""
+        return sum(rows for r, _, rows in self.shards if r == rank)
+
+
+def layouts(module: ShardedHashEmbeddingBagCollection) -> dict[str, TableLayout]:
+    """Every table's layout over all ranks, from the module's sharding plan."""
+    configs = module.table_configs
+    out = {}
+    for name, ps in module.module_sharding_plan.items():
+        cfg = configs[name]
+        spec = ps.sharding_spec
+        shards = sorted(
+            (int(s.placement.rank()), int(s.shard_offsets[0]), int(s.shard_sizes[0]))
+            for s in spec.shards  # type: ignore[union-attr]
+        )
+        out[name] = TableLayout(str(ps.sharding_type), int(cfg.num_embeddings), int(cfg.embedding_dim), shards)
+    return out
+
+
+def admission_counters(module: ShardedHashEmbeddingBagCollection, table: str) -> int:
+    """Number of admission counters the table's id tables hold (0 without a count-min sketch)."""
+    cfg = module.table_configs.get(table)
+    admission = cfg.admission if isinstance(cfg, HashEmbeddingBagConfig) else None
+    if admission is None or admission.threshold <= 1:
+        return 0
+    return (admission.counter_slots // admission.num_hashes) * admission.num_hashes
+
+
+def fused_counters(module: ShardedHashEmbeddingBagCollection) -> dict[str, dict[str, torch.Tensor]]:
+    """Per local table, fused optimizer state that is not per row (e.g. an Adam step count).
+
+    Per-row state (sharded tensors, and tensors with one entry per local row) is saved with the
+    table's rows; what remains are small counters, saved per shard.
+    """
+    optimizer = module.fused_optimizer
+    state = optimizer.state
+    views = module.table_views()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name in module.id_tables:
+        param = optimizer.params.get(module.parameter_key(name))
+        rows = views[name].weight.shape[0]
+        found = {}
+        for skey, value in (state.get(param, {}) if param is not None else {}).items():
+            if compat.is_sharded_tensor(value) or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() >= 1 and value.shape[0] == rows:
+                continue
+            found[skey] = value
+        out[name] = found
+    return out
