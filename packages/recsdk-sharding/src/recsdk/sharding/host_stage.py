@@ -14,6 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+from torchrec.distributed.types import ParameterSharding
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, TableFullError
@@ -70,6 +73,37 @@ class IdMappingStage:
         self._shards = dict(shards)
         self._feature_to_table = dict(feature_to_table)
         self._lock = ledger_lock if ledger_lock is not None else threading.RLock()
+
+    @classmethod
+    def for_shards(
+        cls,
+        shards: Iterable[ShardedEmbeddingTable],
+        configs: Mapping[str, BaseEmbeddingConfig],
+        plan: Mapping[str, ParameterSharding],
+        rank: int,
+    ) -> IdMappingStage:
+        """A stage with one id table per local shard, sized to the shard's rows, with the
+        table's admission and eviction (hash configs) or none (plain configs).
+
+        Args:
+            shards (Iterable[ShardedEmbeddingTable]): this rank's table shards.
+            configs (Mapping[str, BaseEmbeddingConfig]): every table's config by name.
+            plan (Mapping[str, ParameterSharding]): the module's sharding plan.
+            rank (int): this rank.
+        """
+        id_tables, infos = {}, {}
+        for table in shards:
+            cfg = configs[table.name]
+            infos[table.name] = ShardInfo(cfg.name, cfg.num_embeddings, str(plan[table.name].sharding_type), rank)
+            id_tables[table.name] = IdTable(
+                table.local_rows,
+                device="cpu",
+                admission=getattr(cfg, "admission", None),
+                eviction=getattr(cfg, "eviction", None),
+                name=f"{cfg.name}@rank{rank}",
+            )
+        feature_to_table = {f: c.name for c in configs.values() for f in c.feature_names}
+        return cls(id_tables, infos, feature_to_table)
 
     @property
     def id_tables(self) -> dict[str, IdTable]:

@@ -24,15 +24,16 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, check_features, init_rows_
+from recsdk.embedding import HashEmbeddingBagCollection, IdTable
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import FailureAgreement
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.host_adam import HostAdam
-from recsdk.sharding.host_stage import IdMappingStage, ShardInfo
+from recsdk.sharding.host_stage import IdMappingStage
+from recsdk.sharding.input_guard import guard_input
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.shardings import HOST_SHARDING_TYPES, create_host_pooled_sharding
-from recsdk.sharding.tbe_views import TableViews, fused_table_views, reset_rows_
+from recsdk.sharding.shardings import check_host_sharding_types, create_host_pooled_sharding
+from recsdk.sharding.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 
 __all__ = ["ShardedHashEmbeddingBagCollection", "sharded_hash_modules"]
 
@@ -74,12 +75,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         qcomm_codecs_registry: dict[str, Any] | None = None,
         module_fqn: str | None = None,
     ) -> None:
-        for name, ps in table_name_to_parameter_sharding.items():
-            if ps.sharding_type not in HOST_SHARDING_TYPES:
-                raise ValueError(
-                    f"table {name!r}: sharding type {ps.sharding_type!r} is not supported for "
-                    f"HashEmbeddingBagCollection; supported: {list(HOST_SHARDING_TYPES)}"
-                )
+        check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingBagCollection")
         # Inputs of the base constructor's hooks (create_embedding_bag_sharding and
         # create_grouped_sharding_infos), which only read them.
         self._host_pg = host_env.process_group
@@ -96,25 +92,11 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
-        configs = compat.table_configs(self)
-        self._table_configs: dict[str, EmbeddingBagConfig] = configs
+        self._table_configs: dict[str, EmbeddingBagConfig] = compat.table_configs(self)
         self._features = list(dict.fromkeys(f for c in module.embedding_bag_configs() for f in c.feature_names))
-        id_tables, shards = {}, {}
-        for table in compat.local_shards(self):
-            cfg = configs[table.name]
-            assert isinstance(cfg, HashEmbeddingBagConfig)  # HashEmbeddingBagCollection checks its tables
-            ps = table_name_to_parameter_sharding[table.name]
-            shards[table.name] = ShardInfo(cfg.name, cfg.num_embeddings, str(ps.sharding_type), env.rank)
-            id_tables[table.name] = IdTable(
-                table.local_rows,
-                device="cpu",
-                admission=cfg.admission,
-                eviction=cfg.eviction,
-                name=f"{cfg.name}@rank{env.rank}",
-            )
-        feature_to_table = {f: c.name for c in configs.values() for f in c.feature_names}
-        self._stage = IdMappingStage(id_tables, shards, feature_to_table)
-        self._ledger = RowLedger(id_tables, self._stage.lock)
+        plan = table_name_to_parameter_sharding
+        self._stage = IdMappingStage.for_shards(compat.local_shards(self), self._table_configs, plan, env.rank)
+        self._ledger = RowLedger(self._stage.id_tables, self._stage.lock)
         self._agreement = FailureAgreement(self._host_pg, what="the host id stage")
         for lookup in compat.fused_lookups(self):
             # The first collective a rank whose host stage failed would not join is the output dist.
@@ -122,9 +104,7 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._views: dict[str, TableViews] | None = None
         if device is None or device.type != "meta":
             views = fused_table_views(compat.fused_lookups(self))
-            with torch.no_grad():  # the fused kernel ignores init_fn; rows start as init_fn makes them
-                for name in id_tables:
-                    init_rows_(views[name].weight, torch.arange(views[name].weight.shape[0]), configs[name])
+            init_all_rows_({name: views[name] for name in self.id_tables}, self._table_configs)
             compat.replace_fused_optimizer(self, self._host_adam.install(self.fused_optimizer, views))  # type: ignore[arg-type]
             self._views = self._host_adam.views(views)
 
@@ -210,13 +190,9 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         all-to-alls) and its error raised at the host stage's agreement, on every rank.
         """
         assert isinstance(ctx, HashEmbeddingBagCollectionContext)
-        try:
-            check_features(features, self._features, module="HashEmbeddingBagCollection", is_weighted=self._is_weighted)
-        except (TypeError, ValueError) as e:
-            ctx.input_error = e
-            features = _empty_batch(self._features, features, self._is_weighted)
-        if features.keys() != self._features:
-            features = features.permute([features.keys().index(f) for f in self._features])
+        features, ctx.input_error = guard_input(
+            features, self._features, module="HashEmbeddingBagCollection", is_weighted=self._is_weighted
+        )
         if compat.input_dist_ready(self):
             return super().input_dist(ctx, features)
         with compat.without_range_warnings():  # raw ids are never in TorchRec's [0, num_embeddings)
@@ -297,25 +273,6 @@ class ShardedHashEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self.training and torch.is_grad_enabled():
             self._host_adam.watch(awaitable, ctx.batch_rows)
         return awaitable
-
-
-def _empty_batch(features: list[str], received: Any, weighted: bool) -> KeyedJaggedTensor:
-    """A batch of the configured features with no ids, standing in for a bad one.
-
-    As wide as ``received`` and with its dtypes where it is a KJT (the peers' all-to-alls
-    expect the sizes and dtypes they send), int64 otherwise.
-    """
-    kjt = received if isinstance(received, KeyedJaggedTensor) else None
-    stride = kjt.stride() if kjt is not None else 0
-    values_dtype = kjt.values().dtype if kjt is not None and not kjt.values().is_floating_point() else torch.int64
-    weights = kjt.weights_or_none() if kjt is not None else None
-    return KeyedJaggedTensor(
-        keys=features,
-        values=torch.empty(0, dtype=values_dtype),
-        weights=torch.empty(0, dtype=weights.dtype if weights is not None else torch.float32) if weighted else None,
-        lengths=torch.zeros(len(features) * stride, dtype=kjt.lengths().dtype if kjt is not None else torch.int64),
-        stride=stride,
-    )
 
 
 def sharded_hash_modules(model: torch.nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:

@@ -12,6 +12,7 @@ the rest of TorchRec's sharding.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torchrec.distributed.embedding_sharding import EmbeddingSharding, Embedding
 from torchrec.distributed.embeddingbag import replace_placement_with_meta_device
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, is_gloo
@@ -30,6 +31,7 @@ __all__ = [
     "GlooRwPooledEmbeddingSharding",
     "HostRwPooledEmbeddingSharding",
     "HostTwPooledEmbeddingSharding",
+    "check_host_sharding_types",
     "create_host_pooled_sharding",
 ]
 
@@ -99,6 +101,20 @@ class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingShardin
         return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
 
 
+def check_host_sharding_types(plan: Mapping[str, ParameterSharding], module: str) -> None:
+    """Raise unless every table of ``plan`` is row-wise or table-wise.
+
+    Raises:
+        ValueError: names the first table with another sharding type and the supported ones.
+    """
+    for name, ps in plan.items():
+        if ps.sharding_type not in HOST_SHARDING_TYPES:
+            raise ValueError(
+                f"table {name!r}: sharding type {ps.sharding_type!r} is not supported for {module}; "
+                f"supported: {list(HOST_SHARDING_TYPES)}"
+            )
+
+
 def create_host_pooled_sharding(
     sharding_infos: list[EmbeddingShardingInfo],
     env: ShardingEnv,
@@ -111,19 +127,11 @@ def create_host_pooled_sharding(
     Raises:
         ValueError: a sharding type other than row-wise or table-wise.
     """
-    sharding_type = sharding_infos[0].param_sharding.sharding_type
+    check_host_sharding_types({i.embedding_config.name: i.param_sharding for i in sharding_infos}, "hash tables")
     if device is not None and device.type == "meta":
         replace_placement_with_meta_device(sharding_infos)
-    kinds: dict[str, type[HostRwPooledEmbeddingSharding] | type[HostTwPooledEmbeddingSharding]] = {
+    kind = {
         ShardingType.ROW_WISE.value: HostRwPooledEmbeddingSharding,
         ShardingType.TABLE_WISE.value: HostTwPooledEmbeddingSharding,
-    }
-    if sharding_type not in kinds:
-        tables = [info.embedding_config.name for info in sharding_infos]
-        raise ValueError(
-            f"tables {tables}: sharding type {sharding_type!r} is not supported for hash tables; "
-            f"supported: {list(HOST_SHARDING_TYPES)}"
-        )
-    return kinds[sharding_type](
-        sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=host_pg
-    )
+    }[sharding_infos[0].param_sharding.sharding_type]
+    return kind(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=host_pg)

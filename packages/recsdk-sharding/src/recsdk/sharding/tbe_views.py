@@ -9,7 +9,7 @@ momentum, RowWiseAdagrad's ``[rows]``). Views, not copies: writing them writes t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from recsdk.embedding import init_rows_
 
-__all__ = ["TableViews", "fused_table_views", "reset_rows_"]
+__all__ = ["TableViews", "fused_table_views", "init_all_rows_", "reset_rows_"]
 
 
 class TableViews(NamedTuple):
@@ -75,3 +75,14 @@ def reset_rows_(views: TableViews, rows: torch.Tensor, config: BaseEmbeddingConf
         init_rows_(views.weight, rows.to(views.weight.device), config)
         for state in views.states:
             state[rows.to(state.device)] = 0
+
+
+def init_all_rows_(views: Mapping[str, TableViews], configs: Mapping[str, BaseEmbeddingConfig]) -> None:
+    """Initialise every row of each table in ``views`` with its config's ``init_fn``, in place.
+
+    The fused kernel initialises uniformly from ``weight_init_min/max`` and ignores ``init_fn``;
+    a hash table hands rows to ids as they arrive, so every row must start as ``init_fn`` makes it.
+    """
+    with torch.no_grad():
+        for name, view in views.items():
+            init_rows_(view.weight, torch.arange(view.weight.shape[0], device=view.weight.device), configs[name])
