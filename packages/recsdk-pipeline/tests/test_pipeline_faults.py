@@ -1,0 +1,161 @@
+"""Faults outside the host stage: a pipeline dropped without close(), a data iterator that raises."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+from pipeline_models import build, make_batches
+
+from recsdk.data.testing import run_distributed
+from recsdk.pipeline import HostStageError, HostWorker, HybridTrainPipelineSparseDist
+
+CPU = torch.device("cpu")
+HOST_THREAD = "recsdk-host-stage"
+OWNED_THREAD = "test-owned-worker"
+JOIN_TIMEOUT_S = 10.0
+# Generous for a loaded 2-core machine, far below the groups' timeouts (TIMEOUT_S): a healthy
+# rank that waited for a timeout instead of being told would take at least TIMEOUT_S.
+RAISE_BOUND_S = 5.0
+TIMEOUT_S = 60.0
+
+
+class InjectedError(ValueError):
+    pass
+
+
+class _Owner:
+    """Owns a worker the way the pipeline does; its setup and tasks are its bound methods."""
+
+    def __init__(self) -> None:
+        self.worker = HostWorker(OWNED_THREAD, setup=self.setup)
+
+    def setup(self) -> None:
+        pass
+
+    def work(self) -> int:
+        return 1
+
+    def fail(self) -> None:
+        raise InjectedError("task failed")
+
+
+def _drop(owner: _Owner, fail: bool) -> tuple[threading.Thread, weakref.ref[_Owner]]:
+    future = owner.worker.submit(owner.fail if fail else owner.work)
+    assert future.exception() is not None if fail else future.result() == 1
+    (thread,) = [t for t in threading.enumerate() if t.name == OWNED_THREAD]
+    return thread, weakref.ref(owner)
+
+
+def test_dropped_worker_owner_is_collected_and_its_thread_ends() -> None:
+    for fail in (False, True):  # a failed task's traceback (its frames hold the owner) too
+        thread, ref = _drop(_Owner(), fail)
+        gc.collect()
+        thread.join(JOIN_TIMEOUT_S)
+        assert ref() is None, f"fail={fail}: the worker's thread keeps its owner alive"
+        assert not thread.is_alive(), f"fail={fail}: the thread outlived its worker"
+
+
+def _dropped_pipeline(rank: int, world_size: int) -> dict[str, Any]:
+    model, optimizer = build()
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    it = iter(make_batches(6, rank, seed=7))
+    pipeline.progress(it)
+    pipeline.progress(it)
+    host_staged = pipeline.host_staged_modules
+    threads = [t for t in threading.enumerate() if t.name == HOST_THREAD]
+    ref = weakref.ref(pipeline)
+    del pipeline  # without close()
+    gc.collect()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    return {
+        "host_staged": host_staged,
+        "threads": len(threads),
+        "alive": sum(t.is_alive() for t in threads),
+        "collected": ref() is None,
+    }
+
+
+def test_unclosed_pipeline_is_collected_and_its_host_thread_ends() -> None:
+    for result in run_distributed(_dropped_pipeline, 2, timeout_s=TIMEOUT_S):
+        assert result["host_staged"] == ["ebc"], result  # the host thread did run
+        assert result["threads"] == 1, result
+        assert result["collected"], f"the host thread keeps the dropped pipeline alive: {result}"
+        assert result["alive"] == 0, f"the host thread outlived the dropped pipeline: {result}"
+
+
+class _FailingIterator:
+    """Yields ``batches``; raises :class:`InjectedError` instead of the batch at ``fail_at``, then goes on."""
+
+    def __init__(self, batches: list[Any], fail_at: int | None) -> None:
+        self._batches = batches
+        self._fail_at = fail_at
+        self._next = 0
+
+    def __iter__(self) -> _FailingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        i, self._next = self._next, self._next + 1
+        if i == self._fail_at:
+            raise InjectedError(f"injected failure reading batch {i}")
+        if i >= len(self._batches):
+            raise StopIteration
+        return self._batches[i]
+
+
+def _iterator_failures(rank: int, world_size: int) -> list[dict[str, Any]]:
+    batches = make_batches(10, rank, seed=8)
+    results = []
+    # pipe_n_batch=2: the first progress() reads batches 0-2, each later one reads one more, so
+    # batch 5 is read by the 4th call (index 3); batch 0 by the first, before the model is rewritten.
+    for fail_at in (5, 0):
+        model, optimizer = build(host_timeout_s=TIMEOUT_S)
+        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+        it = _FailingIterator(batches, fail_at if rank == 0 else None)
+        calls, result = 0, {}
+        while True:
+            started = time.monotonic()
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                result = {"call": None}
+                break
+            except Exception as e:
+                result = {
+                    "call": calls,
+                    "seconds": time.monotonic() - started,
+                    "error": type(e).__name__,
+                    "message": str(e),
+                }
+                break
+            calls += 1
+        # A rank that catches the error and carries on is refused, with the original cause.
+        try:
+            pipeline.progress(it)
+            result["after"] = "returned"
+        except Exception as again:
+            result["after"] = type(again).__name__
+            result["after_cause"] = type(again.__cause__).__name__
+        pipeline.close()
+        results.append(result)
+    return results
+
+
+def test_data_iterator_failure_stops_every_rank_within_seconds() -> None:
+    rank0, rank1 = run_distributed(_iterator_failures, 2, timeout_s=TIMEOUT_S)
+    for fail_at, call, mine, peer in zip((5, 0), (3, 0), rank0, rank1, strict=True):
+        # Both ranks stop at the same progress() call: the one that read the failing batch.
+        assert mine["call"] == call and peer["call"] == call, (fail_at, mine, peer)
+        assert mine["error"] == "InjectedError", mine  # the raising rank: its own exception
+        assert peer["error"] == HostStageError.__name__, peer
+        assert "failed on rank(s) [0]" in peer["message"] and "InjectedError" in peer["message"], peer
+        # Told, not timed out: well within the groups' timeouts.
+        assert peer["seconds"] < RAISE_BOUND_S and mine["seconds"] < RAISE_BOUND_S, (fail_at, mine, peer)
+        assert mine["after"] == peer["after"] == "RuntimeError", (mine, peer)
+        assert mine["after_cause"] == "InjectedError" and peer["after_cause"] == HostStageError.__name__
