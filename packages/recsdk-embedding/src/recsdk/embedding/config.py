@@ -1,17 +1,50 @@
-"""``HashEmbeddingBagConfig``: TorchRec's ``EmbeddingBagConfig`` plus admission and eviction."""
+"""Hash table configs: TorchRec's ``EmbeddingBagConfig`` / ``EmbeddingConfig`` plus admission and eviction."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
 from recsdk.embedding.id_table import _MAX_CAPACITY
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, check_policies
 
-__all__ = ["HashEmbeddingBagConfig"]
+__all__ = ["HashEmbeddingBagConfig", "HashEmbeddingConfig", "HashTableConfig"]
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
+
+
+def _check_table(cfg: BaseEmbeddingConfig, admission: CountAdmission | None, eviction: EvictionPolicy | None) -> str:
+    """The checks every hash table config makes; returns ``"<Config class> '<name>'"`` for further messages."""
+    kind = type(cfg).__name__
+    name = cfg.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{kind}: name must be a non-empty str, got {name!r}")
+    where = f"{kind} '{name}'"
+    for field, value in (("num_embeddings", cfg.num_embeddings), ("embedding_dim", cfg.embedding_dim)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}")
+        if value <= 0:
+            raise ValueError(f"{where}: {field} must be > 0, got {value}")
+    if cfg.num_embeddings > _MAX_CAPACITY:
+        raise ValueError(f"{where}: num_embeddings must be <= {_MAX_CAPACITY}, got {cfg.num_embeddings}")
+    if cfg.embedding_dim % 4:
+        raise ValueError(
+            f"{where}: embedding_dim must be a multiple of 4 (the fused CPU embedding kernel needs it), "
+            f"got {cfg.embedding_dim}"
+        )
+    names = cfg.feature_names
+    if not isinstance(names, list) or not names:
+        raise ValueError(f"{where}: feature_names must be a non-empty list of str, got {names!r}")
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise ValueError(f"{where}: feature names must be non-empty str, got {bad}")
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"{where}: feature names must be distinct, repeated: {dups}")
+    check_policies(where, admission, eviction)
+    return where
 
 
 @dataclass
@@ -44,32 +77,46 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
     eviction: EvictionPolicy | None = None
 
     def __post_init__(self) -> None:
-        name = self.name
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"HashEmbeddingBagConfig: name must be a non-empty str, got {name!r}")
-        where = f"HashEmbeddingBagConfig '{name}'"
-        for field, value in (("num_embeddings", self.num_embeddings), ("embedding_dim", self.embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}")
-            if value <= 0:
-                raise ValueError(f"{where}: {field} must be > 0, got {value}")
-        if self.num_embeddings > _MAX_CAPACITY:
-            raise ValueError(f"{where}: num_embeddings must be <= {_MAX_CAPACITY}, got {self.num_embeddings}")
-        if self.embedding_dim % 4:
-            raise ValueError(
-                f"{where}: embedding_dim must be a multiple of 4 (the fused CPU embedding kernel needs it), "
-                f"got {self.embedding_dim}"
-            )
-        names = self.feature_names
-        if not isinstance(names, list) or not names:
-            raise ValueError(f"{where}: feature_names must be a non-empty list of str, got {names!r}")
-        bad = [n for n in names if not isinstance(n, str) or not n]
-        if bad:
-            raise ValueError(f"{where}: feature names must be non-empty str, got {bad}")
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"{where}: feature names must be distinct, repeated: {dups}")
+        where = _check_table(self, self.admission, self.eviction)
         if self.pooling not in _POOLINGS:
             raise ValueError(f"{where}: pooling must be PoolingType.SUM or PoolingType.MEAN, got {self.pooling}")
-        check_policies(where, self.admission, self.eviction)
         super().__post_init__()
+
+
+@dataclass
+class HashEmbeddingConfig(EmbeddingConfig):
+    """A sequence (unpooled) embedding table keyed by raw int64 ids (a TorchRec ``EmbeddingConfig`` subclass).
+
+    What :class:`HashEmbeddingBagConfig` is to ``EmbeddingBagConfig``, for
+    :class:`~recsdk.embedding.HashEmbeddingCollection`: the planner and
+    ``DistributedModelParallel`` take it wherever they take an ``EmbeddingConfig``;
+    ``num_embeddings`` is the capacity in rows (distinct ids held at once); ids are any int64.
+
+    Validated at construction as :class:`HashEmbeddingBagConfig` is (dim positive and a multiple
+    of 4, capacity positive, non-empty name, non-empty distinct feature names, known policy types);
+    there is no pooling to check.
+
+    Args:
+        admission (CountAdmission | None): admit ids after enough sightings; None admits at once.
+        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table
+            is full; None makes a full table raise ``TableFullError``.
+        (other fields): as ``torchrec.EmbeddingConfig``.
+
+    Example::
+
+        HashEmbeddingConfig(
+            name="item", embedding_dim=64, num_embeddings=1 << 20,
+            feature_names=["item_history", "candidate_item"], eviction=LRUEviction(),
+        )
+    """
+
+    admission: CountAdmission | None = None
+    eviction: EvictionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        _check_table(self, self.admission, self.eviction)
+        super().__post_init__()
+
+
+HashTableConfig: TypeAlias = HashEmbeddingBagConfig | HashEmbeddingConfig
+"""Either hash config: what :class:`~recsdk.embedding.hash_tables.HashIdTables` builds id tables from."""
