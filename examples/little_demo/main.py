@@ -219,6 +219,9 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         losses = gather_losses(history["losses"], host_gp)
         if rank == 0:
             report(args, world_size, device, history, losses, stats, time.time() - args.started)
+        if "GROUP_RANK" in os.environ:  # under torchrun: one line per rank, in the log of its node
+            where = f"node {os.environ['GROUP_RANK']}, local rank {local_rank}"
+            print(f"rank {rank} of {world_size}: {where}, trained {len(history['losses'])} steps", flush=True)
         dist.barrier(group=host_gp)  # finish together: no rank tears down while another still runs
     finally:
         dist.destroy_process_group()
