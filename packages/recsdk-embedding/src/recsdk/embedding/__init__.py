@@ -1,7 +1,13 @@
-"""recsdk-embedding: collision-free id tables and ``HashEmbeddingBagCollection`` for raw int64 ids."""
+"""recsdk-embedding: collision-free id tables and TorchRec embedding modules on raw int64 ids.
 
-from recsdk.embedding.config import HashEmbeddingBagConfig
-from recsdk.embedding.hash_embedding_bag import HashEmbeddingBagCollection, OptimizerAttachment
+``HashEmbeddingBagCollection`` (pooled, an ``EmbeddingBagCollection``) and ``HashEmbeddingCollection``
+(sequence, an ``EmbeddingCollection``).
+"""
+
+from recsdk.embedding.config import HashEmbeddingBagConfig, HashEmbeddingConfig
+from recsdk.embedding.hash_embedding import HashEmbeddingCollection
+from recsdk.embedding.hash_embedding_bag import HashEmbeddingBagCollection
+from recsdk.embedding.hash_tables import OptimizerAttachment
 from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.id_table import IdTable, TableFullError
 from recsdk.embedding.input_checks import check_features
@@ -13,6 +19,8 @@ __all__ = [
     "EvictionPolicy",
     "HashEmbeddingBagCollection",
     "HashEmbeddingBagConfig",
+    "HashEmbeddingCollection",
+    "HashEmbeddingConfig",
     "IdTable",
     "LFUEviction",
     "LRUEviction",
