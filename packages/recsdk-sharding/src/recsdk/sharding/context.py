@@ -1,6 +1,6 @@
-"""The per-batch context of a host-staged hash module, and the batch token the parts key on.
+"""The per-batch contexts of the host-staged hash modules, and the batch token the parts key on.
 
-It sits below the parts (host stage, row ledger) and the adapter, so that no part imports the
+They sit below the parts (host stage, row ledger) and the adapters, so that no part imports an
 adapter: the arrows run adapter -> parts -> context -> TorchRec.
 """
 
@@ -10,9 +10,15 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
 
-__all__ = ["HashEmbeddingBagCollectionContext", "new_batch_token"]
+__all__ = [
+    "HashEmbeddingBagCollectionContext",
+    "HashEmbeddingCollectionContext",
+    "HostStageState",
+    "new_batch_token",
+]
 
 _TOKENS = itertools.count()
 
@@ -23,14 +29,16 @@ def new_batch_token() -> int:
 
 
 @dataclass
-class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
-    """EBC context plus what the host stage did for this batch.
+class HostStageState:
+    """What the host stage did for one batch.
 
     Attributes:
         token (int): this batch's key in the row ledger (which rows it holds, which it owes a
             reset).
         ids_mapped (bool): ``post_input_dist`` already turned raw ids into rows.
         batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
+        missing (list[torch.Tensor | None]): unpooled tables: per sharding type, the ids
+            without a row (their embeddings are zeroed after the lookup).
         input_error (Exception | None): what was wrong with this rank's input. ``input_dist``
             sends an empty batch in its place (so peers are not left in the id all-to-all)
             and the host stage raises it through the failure agreement, on every rank.
@@ -39,4 +47,15 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext):
     token: int = field(default_factory=new_batch_token)
     ids_mapped: bool = False
     batch_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    missing: list[torch.Tensor | None] = field(default_factory=list)
     input_error: Exception | None = None
+
+
+@dataclass
+class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext, HostStageState):
+    """TorchRec's EBC context plus :class:`HostStageState`."""
+
+
+@dataclass
+class HashEmbeddingCollectionContext(EmbeddingCollectionContext, HostStageState):
+    """TorchRec's EC context plus :class:`HostStageState`."""

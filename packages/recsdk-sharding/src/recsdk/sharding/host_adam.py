@@ -18,6 +18,7 @@ import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.types import LazyAwaitable
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsdk.sharding._torchrec_compat import optimizers_of, queue_backward_callback
 from recsdk.sharding.tbe_views import TableViews
@@ -233,15 +234,21 @@ class HostAdam:
             awaitable.callbacks.append(lambda out: self._hook(out, snapshots))
 
     def _hook(self, out: Any, snapshots: Snapshots) -> Any:
-        values = out.values()
-        if values.requires_grad:
+        # A pooled module returns a KeyedTensor, an unpooled one a dict of JaggedTensors.
+        tensors = [out.values()] if isinstance(out, KeyedTensor) else [jt.values() for jt in out.values()]
+        queued = False
 
-            def on_grad(grad: torch.Tensor) -> None:
-                # Runs when the output's gradient is ready, before the kernel's backward; the
-                # queued callback runs once the whole backward (and the kernel's update) is done.
+        def on_grad(grad: torch.Tensor) -> None:
+            # Runs when an output's gradient is ready, before the kernel's backward; the queued
+            # callback runs once the whole backward (and the kernel's update) is done.
+            nonlocal queued
+            if not queued:
+                queued = True
                 queue_backward_callback(lambda: self._apply(snapshots))
 
-            values.register_hook(on_grad)
+        for tensor in tensors:
+            if tensor.requires_grad:
+                tensor.register_hook(on_grad)
         return out
 
     def _apply(self, snapshots: Snapshots) -> None:

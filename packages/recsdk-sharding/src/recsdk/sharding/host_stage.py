@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsdk.embedding import IdTable, TableFullError
 from recsdk.sharding.row_ledger import RowLedger
 
-__all__ = ["IdMappingStage", "ShardInfo"]
+__all__ = ["IdMappingStage", "MappedBatch", "ShardInfo"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,23 @@ class ShardInfo:
     rank: int
 
 
+@dataclass
+class MappedBatch:
+    """What the host stage made of one batch's received ids.
+
+    Attributes:
+        kjts (list[KeyedJaggedTensor]): per sharding type, the KJT of local rows.
+        rows (dict[str, torch.Tensor]): per table, the rows the batch uses (admitted ids only).
+        missing (list[torch.Tensor | None]): per sharding type, for unpooled tables, a bool mask
+            of the ids that have no row (placed on row 0; their embeddings must be zeroed);
+            ``None`` where every id has a row, and always for pooled tables.
+    """
+
+    kjts: list[KeyedJaggedTensor]
+    rows: dict[str, torch.Tensor]
+    missing: list[torch.Tensor | None]
+
+
 class IdMappingStage:
     """Maps received raw ids to this rank's local rows, per table shard.
 
@@ -59,7 +76,7 @@ class IdMappingStage:
 
         stage = IdMappingStage(id_tables, shards, feature_to_table)
         ledger = RowLedger(stage.id_tables, stage.lock)
-        rows_kjts, batch_rows = stage.map(kjts, ctx.token, ledger, training=True)
+        mapped = stage.map(kjts, ctx.token, ledger, training=True)  # mapped.kjts: rows
     """
 
     def __init__(
@@ -116,8 +133,8 @@ class IdMappingStage:
         return self._lock
 
     def map(
-        self, kjts: Iterable[KeyedJaggedTensor], token: int, ledger: RowLedger, training: bool
-    ) -> tuple[list[KeyedJaggedTensor], dict[str, torch.Tensor]]:
+        self, kjts: Iterable[KeyedJaggedTensor], token: int, ledger: RowLedger, training: bool, pooled: bool = True
+    ) -> MappedBatch:
         """Map each KJT's raw ids to local rows.
 
         Rows the mapping takes from evicted ids are owed a reset by batch ``token`` in
@@ -128,10 +145,12 @@ class IdMappingStage:
             token (int): the batch's token.
             ledger (RowLedger): where the owed resets go.
             training (bool): insert (train) or only find (eval).
+            pooled (bool): ids without a row are dropped from their bags (pooled tables); else
+                they keep their place, on row 0, and are marked in ``MappedBatch.missing`` (an
+                unpooled table's output has one embedding per id: those are zeroed).
 
         Returns:
-            tuple: the KJTs with row indices (same keys and stride), and per table the rows the
-            batch uses (admitted ids only).
+            MappedBatch: the KJTs with row indices (same keys and stride), the rows per table.
 
         Raises:
             TypeError: floating-point ids.
@@ -139,12 +158,17 @@ class IdMappingStage:
         """
         used: dict[str, list[torch.Tensor]] = {}
         reused: dict[str, list[torch.Tensor]] = {}
+        mapped: list[KeyedJaggedTensor] = []
+        missing: list[torch.Tensor | None] = []
         try:
-            mapped = [self._map_kjt(kjt, training, used, reused) for kjt in kjts]
+            for kjt in kjts:
+                rows_kjt, absent = self._map_kjt(kjt, training, used, reused, pooled)
+                mapped.append(rows_kjt)
+                missing.append(absent)
         finally:
             if reused:
                 ledger.owe(token, {name: torch.cat(rows) for name, rows in reused.items()})
-        return mapped, {name: torch.cat(rows) for name, rows in used.items()}
+        return MappedBatch(mapped, {name: torch.cat(rows) for name, rows in used.items()}, missing)
 
     def _map_kjt(
         self,
@@ -152,11 +176,12 @@ class IdMappingStage:
         training: bool,
         used: dict[str, list[torch.Tensor]],
         reused: dict[str, list[torch.Tensor]],
-    ) -> KeyedJaggedTensor:
+        pooled: bool,
+    ) -> tuple[KeyedJaggedTensor, torch.Tensor | None]:
         keys = kjt.keys()
         values = kjt.values()
         if values.numel() == 0:
-            return kjt
+            return kjt, None
         if values.dtype.is_floating_point:
             raise TypeError(f"feature ids must be integers, got dtype {values.dtype} for features {keys}")
         length_per_key = kjt.length_per_key()
@@ -186,12 +211,19 @@ class IdMappingStage:
         lengths = kjt.lengths()
         weights = kjt.weights_or_none()
         keep = rows >= 0
-        if not bool(keep.all()):
+        if bool(keep.all()):
+            absent = None
+        elif pooled:
+            absent = None
             bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
             lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
             rows = rows[keep]
             weights = weights[keep] if weights is not None else None
-        return KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
+        else:
+            absent = ~keep
+            rows = rows.masked_fill(absent, 0)
+        kjt = KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
+        return kjt, absent
 
     def _find_or_insert(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         table = self._tables[name]

@@ -6,13 +6,20 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
+from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.sharding.owner import owner
 
-__all__ = ["HostTwSparseFeaturesDist", "OwnerSparseFeaturesDist", "bucketize_by_owner"]
+__all__ = [
+    "HostTwSparseFeaturesDist",
+    "OwnerSequenceFeaturesDist",
+    "OwnerSparseFeaturesDist",
+    "bucketize_by_owner",
+    "bucketize_by_owner_with_permute",
+]
 
 
 def _on_host(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
@@ -33,6 +40,14 @@ def bucketize_by_owner(kjt: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTe
 
     Returns:
         KeyedJaggedTensor: ``F * world_size`` keys, lengths of size ``world_size * F * B``.
+    """
+    return bucketize_by_owner_with_permute(kjt, world_size)[0]
+
+
+def bucketize_by_owner_with_permute(kjt: KeyedJaggedTensor, world_size: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """:func:`bucketize_by_owner`, and where each id went: ``bucketed.values()[permute[i]]`` is
+    ``kjt.values()[i]`` (TorchRec's ``unbucketize_permute_tensor``, which puts a sequence
+    module's embeddings back in input order).
     """
     lengths = kjt.lengths().view(-1)
     values = kjt.values()
@@ -56,13 +71,14 @@ def bucketize_by_owner(kjt: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTe
     if weights is not None:
         new_weights = torch.empty_like(weights)
         new_weights[permute] = weights
-    return KeyedJaggedTensor(
+    bucketed = KeyedJaggedTensor(
         keys=kjt.keys() * world_size,
         values=new_values,
         weights=new_weights,
         lengths=bucket_lengths.view(-1),
         stride=kjt.stride(),
     )
+    return bucketed, permute
 
 
 class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
@@ -96,3 +112,30 @@ class HostTwSparseFeaturesDist(TwSparseFeaturesDist):
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._dist(_on_host(sparse_features))
+
+
+class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
+    """Row-wise input dist of a sequence (unpooled) module for raw ids: bucket by :func:`owner`.
+
+    As :class:`OwnerSparseFeaturesDist`, and it keeps ``unbucketize_permute_tensor`` for the
+    batch, which TorchRec's sequence output dist uses to return the embeddings in input order
+    (TorchRec reads it from an ``RwSparseFeaturesDist``, hence the base class).
+
+    Args:
+        host_pg (dist.ProcessGroup): the host (gloo) process group.
+        num_features (int): number of features in the input KJT.
+        device (torch.device | None): where the output dist runs (the permutation goes there).
+    """
+
+    def __init__(self, host_pg: dist.ProcessGroup, num_features: int, device: torch.device | None = None) -> None:
+        # TorchRec's block sizes are unused: the owner, not the id's range, picks the bucket.
+        super().__init__(host_pg, num_features, feature_hash_sizes=[1] * num_features, is_sequence=True)
+        self._output_device = device
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        bucketed, permute = bucketize_by_owner_with_permute(_on_host(sparse_features), self._world_size)
+        device = self._output_device
+        self.unbucketize_permute_tensor = (
+            permute if device is None or device.type in ("cpu", "meta") else permute.to(device, non_blocking=True)
+        )
+        return self._dist(bucketed)

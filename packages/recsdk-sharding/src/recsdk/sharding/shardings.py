@@ -5,6 +5,8 @@
 * :class:`HostTwPooledEmbeddingSharding`: table-wise; the id all-to-all runs over the host group.
 * :class:`GlooRwPooledEmbeddingSharding`: TorchRec's row-wise, with the all-to-all pooled output
   dist on gloo (plain EBCs on CPU, and the host row-wise above).
+* :class:`HostRwSequenceEmbeddingSharding`, :class:`HostTwSequenceEmbeddingSharding`: the same
+  host input dists for unpooled tables, with TorchRec's sequence output dists.
 
 Each overrides one TorchRec hook (``create_input_dist`` or ``create_output_dist``) and keeps
 the rest of TorchRec's sharding.
@@ -19,20 +21,24 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import replace_placement_with_meta_device
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
-from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist
+from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSequenceFeaturesDist, OwnerSparseFeaturesDist
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, is_gloo
 
 __all__ = [
     "HOST_SHARDING_TYPES",
     "GlooRwPooledEmbeddingSharding",
     "HostRwPooledEmbeddingSharding",
+    "HostRwSequenceEmbeddingSharding",
     "HostTwPooledEmbeddingSharding",
+    "HostTwSequenceEmbeddingSharding",
     "check_host_sharding_types",
-    "create_host_pooled_sharding",
+    "create_host_sharding",
 ]
 
 HOST_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
@@ -101,6 +107,33 @@ class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingShardin
         return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
 
 
+class HostRwSequenceEmbeddingSharding(_HostGroupSharding, RwSequenceEmbeddingSharding):
+    """Row-wise sharding of unpooled tables whose input dist buckets raw ids by owner over the
+    host group; TorchRec's sequence output dist returns one embedding per id in input order.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``RwSequenceEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def create_input_dist(self, device: torch.device | None = None) -> OwnerSequenceFeaturesDist:
+        return OwnerSequenceFeaturesDist(self._host_pg, self._get_num_features(), device or self._device)
+
+
+class HostTwSequenceEmbeddingSharding(_HostGroupSharding, TwSequenceEmbeddingSharding):
+    """Table-wise sharding of unpooled tables whose id all-to-all runs over the host group.
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
+            ``TwSequenceEmbeddingSharding``.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+    """
+
+    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
+        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
+
+
 def check_host_sharding_types(plan: Mapping[str, ParameterSharding], module: str) -> None:
     """Raise unless every table of ``plan`` is row-wise or table-wise.
 
@@ -115,23 +148,35 @@ def check_host_sharding_types(plan: Mapping[str, ParameterSharding], module: str
             )
 
 
-def create_host_pooled_sharding(
+_HOST_SHARDINGS: dict[tuple[bool, str], Any] = {
+    (True, ShardingType.ROW_WISE.value): HostRwPooledEmbeddingSharding,
+    (True, ShardingType.TABLE_WISE.value): HostTwPooledEmbeddingSharding,
+    (False, ShardingType.ROW_WISE.value): HostRwSequenceEmbeddingSharding,
+    (False, ShardingType.TABLE_WISE.value): HostTwSequenceEmbeddingSharding,
+}
+
+
+def create_host_sharding(
     sharding_infos: list[EmbeddingShardingInfo],
     env: ShardingEnv,
     device: torch.device | None,
     qcomm_codecs_registry: dict[str, Any] | None,
     host_pg: dist.ProcessGroup,
+    *,
+    pooled: bool,
 ) -> EmbeddingSharding:
     """The host sharding of a group of hash tables of one sharding type (row- or table-wise).
+
+    Args:
+        sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's sharding factories.
+        host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
+        pooled (bool): bag tables (pooled output) or unpooled tables (one embedding per id).
 
     Raises:
         ValueError: a sharding type other than row-wise or table-wise.
     """
     check_host_sharding_types({i.embedding_config.name: i.param_sharding for i in sharding_infos}, "hash tables")
-    if device is not None and device.type == "meta":
+    if pooled and device is not None and device.type == "meta":  # as TorchRec's EBC (its EC does not)
         replace_placement_with_meta_device(sharding_infos)
-    kind = {
-        ShardingType.ROW_WISE.value: HostRwPooledEmbeddingSharding,
-        ShardingType.TABLE_WISE.value: HostTwPooledEmbeddingSharding,
-    }[sharding_infos[0].param_sharding.sharding_type]
-    return kind(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=host_pg)
+    kind = _HOST_SHARDINGS[(pooled, sharding_infos[0].param_sharding.sharding_type)]
+    return kind(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, host_pg=host_pg)  # type: ignore[no-any-return]
