@@ -37,14 +37,9 @@ def _configs(**policy: Any) -> list[HashEmbeddingConfig]:
 
 
 def _plain(configs: list[HashEmbeddingConfig]) -> list[EmbeddingConfig]:
+    """TorchRec configs with the same fields, less admission and eviction."""
     return [
-        EmbeddingConfig(
-            name=c.name,
-            embedding_dim=c.embedding_dim,
-            num_embeddings=c.num_embeddings,
-            feature_names=list(c.feature_names),
-        )
-        for c in configs
+        EmbeddingConfig(**{f.name: getattr(c, f.name) for f in dataclasses.fields(EmbeddingConfig)}) for c in configs
     ]
 
 
@@ -285,64 +280,41 @@ def test_key_order_of_the_input_does_not_matter() -> None:
 
 
 def test_reused_rows_are_reinitialised_and_their_optimizer_state_reset() -> None:
-    def make() -> tuple[HashEmbeddingCollection, torch.optim.Optimizer]:
-        cfg = HashEmbeddingConfig(
-            name="t",
-            embedding_dim=4,
-            num_embeddings=2,
-            feature_names=["f"],
-            eviction=LRUEviction(),
-            init_fn=partial(torch.nn.init.constant_, val=0.25),
-        )
-        model = HashEmbeddingCollection(tables=[cfg])
-        return model, torch.optim.Adagrad(model.parameters(), lr=0.5)
+    cfg = HashEmbeddingConfig(
+        name="t",
+        embedding_dim=4,
+        num_embeddings=2,
+        feature_names=["f"],
+        eviction=LRUEviction(),
+        init_fn=partial(torch.nn.init.constant_, val=0.25),
+    )
+    model = HashEmbeddingCollection(tables=[cfg])
+    weight = model.embeddings["t"].weight
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.5)
+    handle = model.attach_optimizer(opt)
+    grad = torch.arange(1.0, 5.0)  # the gradient of every looked-up row, each step
 
-    def step(model: HashEmbeddingCollection, opt: torch.optim.Optimizer, ids: list[int]) -> torch.Tensor:
+    def step(ids: list[int]) -> torch.Tensor:
         out = model(_kjt(ids, [1] * len(ids), keys=["f"]))["f"].values()
         opt.zero_grad()
-        (out * torch.arange(1.0, 5.0)).sum().backward()
+        (out * grad).sum().backward()
         opt.step()
         return out.detach()
 
-    fresh, fresh_opt = make()
-    step(fresh, fresh_opt, [3])
-    expected = fresh.embeddings["t"].weight[0].detach().clone()
-
-    results = {}
-    for attach in (True, False):
-        model, opt = make()
-        handle = model.attach_optimizer(opt) if attach else None
-        step(model, opt, [1, 2])
-        step(model, opt, [1])
-        out = step(model, opt, [3])  # evicts 2 (least recent); its row goes to 3, re-initialised first
-        assert torch.equal(out, torch.full((1, 4), 0.25))
-        assert model.id_tables["t"].find(torch.tensor([2, 3])).tolist() == [-1, 1]
-        results[attach] = model.embeddings["t"].weight[1].detach().clone()
-        if handle is not None:
-            handle.remove()
-    assert torch.equal(results[True], expected)
-    assert not torch.equal(results[False], expected)  # the stale Adagrad sum slows the reused row
+    step([1, 2])  # 1 -> row 0, 2 -> row 1
+    step([1])
+    assert torch.equal(step([3]), torch.full((1, 4), 0.25))  # evicts 2; row 1 re-initialised before the lookup
+    assert model.id_tables["t"].find(torch.tensor([1, 2, 3])).tolist() == [0, -1, 1]
+    adagrad_sum = opt.state[weight]["sum"]
+    assert torch.equal(adagrad_sum[1], grad**2)  # reset before the step: one step's worth, as for a fresh row
+    assert torch.equal(adagrad_sum[0], 2 * grad**2)
+    handle.remove()
+    step([4])  # evicts 1 (row 0): detached, so its Adagrad sum carries over
+    assert torch.equal(adagrad_sum[0], 3 * grad**2)
 
 
-def test_id_table_state_round_trip_restores_lookups() -> None:
-    model = HashEmbeddingCollection(tables=_configs(eviction=LRUEviction()))
-    g = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        model(_batch(g))
-    clone = HashEmbeddingCollection(tables=_configs(eviction=LRUEviction()))
-    clone.load_state_dict(model.state_dict())
-    clone.load_id_table_state_dict(model.id_table_state_dict())
-    model.eval()
-    clone.eval()
-    kjt = _batch(g)
-    assert all(torch.equal(model(kjt)[k].values(), clone(kjt)[k].values()) for k in KEYS)
-    assert clone.stats() == model.stats()
-    with pytest.raises(ValueError, match=r"HashEmbeddingCollection.load_id_table_state_dict: tables missing \['t1'\]"):
-        clone.load_id_table_state_dict({"item": model.id_table_state_dict()["item"]})
-
-
-def test_meta_construction_then_materialisation() -> None:
-    configs = _configs()
+def test_meta_construction_materialisation_and_id_table_round_trip() -> None:
+    configs = _configs(eviction=LRUEviction())
     model = HashEmbeddingCollection(tables=configs, device=torch.device("meta"))
     assert model.device.type == "meta"
     assert model.embeddings["item"].weight.is_meta and model.embeddings["item"].weight.shape == (64, DIM)
@@ -354,16 +326,29 @@ def test_meta_construction_then_materialisation() -> None:
     with pytest.raises(RuntimeError, match="HashEmbeddingCollection table 'item' is on the meta device"):
         model(_kjt([1], [1, 0, 0, 0, 0, 0]))
     model.to_empty(device="cpu")
-    reference = EmbeddingCollection(tables=_plain(configs))
-    model.load_state_dict(reference.state_dict())
-    out = model(_batch(torch.Generator().manual_seed(6)))
+    model.load_state_dict(EmbeddingCollection(tables=_plain(configs)).state_dict())
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        out = model(_batch(g))
     assert out["hist"].values().shape[1] == DIM and not out["hist"].values().is_meta
     assert model.id_tables["item"].device.type == "cpu" and len(model.id_tables["item"]) > 0
-    # Id tables saved before materialisation can be loaded into a meta-built module.
-    restored = HashEmbeddingCollection(tables=_configs(), device="meta", id_table_device="cpu")
-    assert all(t.device.type == "cpu" for t in restored.id_tables.values())
-    restored.load_id_table_state_dict(model.id_table_state_dict())
-    assert restored.stats() == model.stats()
+
+    # Restore weights and id tables into modules built on meta, as a checkpoint load does.
+    for id_table_device in (None, "cpu"):
+        clone = HashEmbeddingCollection(
+            tables=_configs(eviction=LRUEviction()), device="meta", id_table_device=id_table_device
+        )
+        clone.to_empty(device="cpu")
+        clone.load_state_dict(model.state_dict())
+        clone.load_id_table_state_dict(model.id_table_state_dict())
+        assert all(t.device.type == "cpu" for t in clone.id_tables.values())
+        assert clone.stats() == model.stats()
+        model.eval()
+        clone.eval()
+        kjt = _batch(g)
+        assert all(torch.equal(model(kjt)[k].values(), clone(kjt)[k].values()) for k in KEYS)
+    with pytest.raises(ValueError, match=r"HashEmbeddingCollection.load_id_table_state_dict: tables missing \['t1'\]"):
+        clone.load_id_table_state_dict({"item": model.id_table_state_dict()["item"]})
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -97,9 +97,9 @@ class HashEmbeddingConfig(EmbeddingConfig):
     there is no pooling to check.
 
     Args:
-        admission (CountAdmission | None): admit ids after enough sightings; None admits at once.
-        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table
-            is full; None makes a full table raise ``TableFullError``.
+        admission (CountAdmission | None): as in :class:`HashEmbeddingBagConfig` (None: at once).
+        eviction (EvictionPolicy | None): as in :class:`HashEmbeddingBagConfig` (None: a full
+            table raises ``TableFullError``).
         (other fields): as ``torchrec.EmbeddingConfig``.
 
     Example::

@@ -8,7 +8,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsdk.embedding.config import HashEmbeddingConfig
-from recsdk.embedding.hash_tables import HashIdTables, HashIdTablesMixin, check_tables, jagged_per_feature
+from recsdk.embedding.hash_tables import HashIdTablesMixin, check_tables, jagged_per_feature
 
 __all__ = ["HashEmbeddingCollection"]
 
@@ -78,11 +78,7 @@ class HashEmbeddingCollection(HashIdTablesMixin, EmbeddingCollection):
         if not isinstance(need_indices, bool):
             raise TypeError(f"{_MODULE}: need_indices must be a bool, got {need_indices!r}")
         super().__init__(tables=tables, device=torch.device(device) if device else None, need_indices=need_indices)
-        self._hash_tables = HashIdTables(
-            tables,
-            device=torch.device(id_table_device) if id_table_device is not None else self._device,
-            module=_MODULE,
-        )
+        self._init_hash_tables(tables, id_table_device, module=_MODULE)
 
     def _hash_weight(self, name: str) -> torch.Tensor:
         return self.embeddings[name].weight

@@ -14,7 +14,6 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 from recsdk.embedding.config import HashEmbeddingBagConfig
 from recsdk.embedding.hash_tables import (
-    HashIdTables,
     HashIdTablesMixin,
     OptimizerAttachment,
     check_tables,
@@ -79,11 +78,7 @@ class HashEmbeddingBagCollection(HashIdTablesMixin, EmbeddingBagCollection):
         if not isinstance(is_weighted, bool):
             raise TypeError(f"HashEmbeddingBagCollection: is_weighted must be a bool, got {is_weighted!r}")
         super().__init__(tables=tables, is_weighted=is_weighted, device=torch.device(device) if device else None)
-        self._hash_tables = HashIdTables(
-            tables,
-            device=torch.device(id_table_device) if id_table_device is not None else self._device,
-            module="HashEmbeddingBagCollection",
-        )
+        self._init_hash_tables(tables, id_table_device, module="HashEmbeddingBagCollection")
 
     def _hash_weight(self, name: str) -> torch.Tensor:
         return self.embedding_bags[name].weight

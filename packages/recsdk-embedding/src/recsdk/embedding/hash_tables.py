@@ -240,11 +240,19 @@ class HashIdTables:
 class HashIdTablesMixin:
     """The public id-table methods of a hash embedding module, over its ``_hash_tables``.
 
-    The module sets ``self._hash_tables`` (a :class:`HashIdTables`) in its constructor and
-    implements :meth:`_hash_weight`.
+    The module calls :meth:`_init_hash_tables` in its constructor (after TorchRec's, which sets
+    ``_device``) and implements :meth:`_hash_weight`.
     """
 
     _hash_tables: HashIdTables
+    _device: torch.device
+
+    def _init_hash_tables(
+        self, tables: Sequence[HashTableConfig], id_table_device: torch.device | str | None, *, module: str
+    ) -> None:
+        """Create ``_hash_tables`` on ``id_table_device``, defaulting to the module's ``device``."""
+        device = torch.device(id_table_device) if id_table_device is not None else self._device
+        self._hash_tables = HashIdTables(tables, device=device, module=module)
 
     def _hash_weight(self, name: str) -> torch.Tensor:
         """Table name -> its current ``[num_embeddings, dim]`` weight."""
