@@ -109,14 +109,17 @@ class _FailingIterator:
         return self._batches[i]
 
 
+# (batch the iterator raises on, pipe_n_batch): mid-run, the pipeline's very first batch (before
+# the model is rewritten), and mid-run with the batch read in the call that computes the one before.
+ITERATOR_FAILURES = [(5, 2), (0, 2), (3, 1)]
+
+
 def _iterator_failures(rank: int, world_size: int) -> list[dict[str, Any]]:
     batches = make_batches(10, rank, seed=8)
     results = []
-    # pipe_n_batch=2: the first progress() reads batches 0-2, each later one reads one more, so
-    # batch 5 is read by the 4th call (index 3); batch 0 by the first, before the model is rewritten.
-    for fail_at in (5, 0):
+    for fail_at, pipe_n_batch in ITERATOR_FAILURES:
         model, optimizer = build(host_timeout_s=TIMEOUT_S)
-        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=pipe_n_batch)
         it = _FailingIterator(batches, fail_at if rank == 0 else None)
         calls, result = 0, {}
         while True:
@@ -149,9 +152,10 @@ def _iterator_failures(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 def test_data_iterator_failure_stops_every_rank_within_seconds() -> None:
     rank0, rank1 = run_distributed(_iterator_failures, 2, timeout_s=TIMEOUT_S)
-    for fail_at, call, mine, peer in zip((5, 0), (3, 0), rank0, rank1, strict=True):
-        # Both ranks stop at the same progress() call: the one that read the failing batch.
-        assert mine["call"] == call and peer["call"] == call, (fail_at, mine, peer)
+    for (fail_at, _), mine, peer in zip(ITERATOR_FAILURES, rank0, rank1, strict=True):
+        # As in the plain loop, the batches before the failing one are computed; both ranks then
+        # stop at the same progress() call: the one that would compute the failing batch.
+        assert mine["call"] == fail_at and peer["call"] == fail_at, (fail_at, mine, peer)
         assert mine["error"] == "InjectedError", mine  # the raising rank: its own exception
         assert peer["error"] == HostStageError.__name__, peer
         assert "failed on rank(s) [0]" in peer["message"] and "InjectedError" in peer["message"], peer

@@ -46,10 +46,16 @@ _HostResult = dict[str, tuple[Any, Any]]
 
 @dataclass
 class _Step:
-    """One batch in flight: read from the iterator, its host stage queued or done."""
+    """One batch in flight: read from the iterator, its host stage queued or done.
+
+    ``batch`` is ``None`` for a batch the iterator raised on (here): ``read_agreed`` fails
+    with that exception, and the batch is never computed.
+    """
 
     batch: Any
     context: TrainPipelineContext
+    # Done once every rank knows whether its read of this batch succeeded (None: nothing to agree).
+    read_agreed: Future[None] | None = None
     host_future: Future[_HostResult] | None = None
     inline_started: bool = False
 
@@ -138,9 +144,11 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     :meth:`progress` that needs the batch, and the other ranks raise
     :class:`~recsdk.pipeline.HostStageError` there (or a collective error once the host
     group's timeout expires, if the failed rank never sent its ids). If the data iterator
-    raises (anything but the end of data), that :meth:`progress` raises the exception on
-    this rank and :class:`~recsdk.pipeline.HostStageError` on the others, before any batch
-    of that call is computed. The pipeline refuses to continue afterwards.
+    raises (anything but the end of data), that is a failed host stage of the batch it
+    was reading: the batches read before it compute as in the plain loop, then the
+    :meth:`progress` that would compute it raises the iterator's exception on this rank and
+    :class:`~recsdk.pipeline.HostStageError` on the others. The pipeline refuses to continue
+    afterwards.
 
     Construct and drive it on every rank alike: the first :meth:`progress` creates small
     gloo groups (collectively) for these agreements.
@@ -219,9 +227,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         # Agreement on the data iterator's failures, over every rank (created at the first progress).
         self._read_agreement: FailureAgreement | None = None
         self._names: dict[int, str] = {}
-        self._pending: list[Future[_HostResult]] = []
+        self._pending: list[Future[Any]] = []
         self._output_checked = False
         self._failure: BaseException | None = None
+        self._read_error: Exception | None = None  # the data iterator raised (this rank)
         # The setup references the device only: the thread must not keep the pipeline alive.
         self._worker = HostWorker(HOST_THREAD_NAME, setup=functools.partial(_select_device, device))
 
@@ -255,8 +264,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             StopIteration: no batch is left (see ``execute_all_batches``).
             TypeError: the model's forward does not return ``(loss, output)``.
             HostStageError: another rank's host stage failed for this batch, or its data
-                iterator raised in this call (this rank's own exception, from a host stage
-                or from ``dataloader_iter``, is raised as is).
+                iterator raised instead of yielding it (this rank's own exception, from a
+                host stage or from ``dataloader_iter``, is raised as is).
             RuntimeError: the pipeline is closed, or a host stage or the data iterator
                 failed earlier (chained to that failure).
         """
@@ -386,7 +395,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 for step in lane.steps:
                     if step.host_future is not None:
                         self._release(step.host_future)
-                        step.host_future = self._submit_host_stage(step)
+                        self._submit_host_stage(step, agree_on_read=False)
         if not training:
             lane.train_steps_seen = self._train_steps
         self._active_mode = training
@@ -395,50 +404,90 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def _fill(self, lane: _Lane, dataloader_iter: Iterator[In]) -> None:
         """Read batches until ``pipe_n_batch`` are ahead of the one to compute; start their host stages.
 
-        The reads of this call are agreed on across the ranks before anything of them
-        starts: if the iterator raised on any rank, every rank raises here (see
-        :meth:`_agree_on_reads`), before any collective of this call.
+        A batch the iterator raises on is a failed host stage of that batch (see
+        :meth:`_read_failed`); nothing more is read after a failure.
         """
         if dataloader_iter is not lane.iterator:
             lane.iterator = dataloader_iter
             lane.exhausted = False
-        read: list[_Step] = []
-        error: Exception | None = None
-        try:
-            while not lane.exhausted and len(lane.steps) + len(read) < 1 + self._pipe_n_batch:
-                batch = next(dataloader_iter, None)
-                if batch is None:
-                    lane.exhausted = True
-                    break
-                read.append(_Step(batch=self._tr_copy_to_device(batch), context=self._tr_new_context()))
-        except Exception as e:  # the user's iterator (or the copy) failed: every rank stops here
-            error = e
-        self._agree_on_reads(error)
-        lane.steps.extend(read)
-        for step in read:
-            if not self._tr_pipelined_modules:
-                self._bootstrap(step)
-            else:
-                step.host_future = self._submit_host_stage(step)
-        if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
-            raise StopIteration
-
-    def _agree_on_reads(self, error: Exception | None) -> None:
-        """Once per :meth:`progress` on every rank: raise on all if the data iterator failed on any.
-
-        The failing rank re-raises its own exception, the others raise
-        :class:`HostStageError`; the pipeline refuses later calls (chained to it).
-        """
         if self._read_agreement is None:
+            # Every rank's first progress(): a gloo group of all ranks (a read failure stops them all).
             self._read_agreement = FailureAgreement(
                 _gloo_world_group(), what="the data iterator", peer_error=HostStageError
             )
+        while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
+            if self._read_error is not None or self._worker.failure is not None:
+                return  # no batch after a failed one would ever compute
+            try:
+                batch = next(dataloader_iter, None)
+                if batch is not None:
+                    batch = self._tr_copy_to_device(batch)
+            except Exception as e:  # the user's iterator (or the copy) failed
+                self._read_failed(lane, e)
+                return
+            if batch is None:
+                lane.exhausted = True
+                break
+            step = _Step(batch=batch, context=self._tr_new_context())
+            lane.steps.append(step)
+            if not self._tr_pipelined_modules:
+                self._agree_on_read_here(step.context.index, None)
+                self._bootstrap(step)
+            else:
+                self._submit_host_stage(step, agree_on_read=True)
+        if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
+            raise StopIteration
+
+    def _read_failed(self, lane: _Lane, error: Exception) -> None:
+        """The iterator raised instead of yielding the next batch: fail that batch on every rank.
+
+        Its place in the lane is kept by a batch-less step whose read agreement raises
+        ``error``; the batches read before it compute as usual, and the :meth:`progress` that
+        would compute it raises ``error`` here and :class:`HostStageError` on the other
+        ranks (their read agreement for it fails).
+        """
+        self._read_error = error
+        context = self._tr_new_context()
+        if not self._tr_pipelined_modules:
+            # Not rewritten yet (the first batch, or no sharded module): no host thread to agree
+            # on; agree here, which raises on every rank in this call.
+            self._agree_on_read_here(context.index, error)
+        step = _Step(batch=None, context=context, inline_started=True)
+        lane.steps.append(step)
+        if self._agrees_on_reads():
+            step.read_agreed = self._worker.submit(self._agree_on_read, context.index, error)
+            self._pending.append(step.read_agreed)
+        else:
+            step.read_agreed = Future()
+            step.read_agreed.set_exception(error)
+
+    def _agrees_on_reads(self) -> bool:
+        return self._read_agreement is not None and self._read_agreement.world_size > 1
+
+    def _agree_on_read(self, index: int | None, error: Exception | None) -> None:
+        """Every rank, once per batch read: raise on all if the data iterator failed on any.
+
+        On the calling thread until the model is rewritten (the first batch), on the host
+        thread afterwards, ahead of the batch's host stage, so that no rank issues a
+        collective for a batch another rank does not have. The failing rank re-raises its
+        own exception, the others raise :class:`HostStageError`.
+        """
+        assert self._read_agreement is not None
         try:
-            self._read_agreement.check(error)
+            self._read_agreement.check(error, what=f"the data iterator (batch {index})")
         except BaseException as e:
-            self._failure = error if error is not None else e
-            if error is not None:
-                raise error from None
+            failure: BaseException = e
+        else:
+            return
+        # If the agreement's own collective failed, this rank's error still comes first.
+        raise error if error is not None else failure
+
+    def _agree_on_read_here(self, index: int | None, error: Exception | None) -> None:
+        """:meth:`_agree_on_read` on the calling thread; a failure stops the pipeline."""
+        try:
+            self._agree_on_read(index, error)
+        except BaseException as e:
+            self._failure = e
             raise
 
     def _bootstrap(self, step: _Step) -> None:
@@ -501,6 +550,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def _start_inline(self, step: _Step) -> None:
         if step.inline_started:
             return
+        if step.read_agreed is not None and step.read_agreed.exception() is not None:
+            return  # a rank could not read this batch: it never computes, on any rank
         step.inline_started = True
         if not self._inline_modules:
             return
@@ -513,10 +564,13 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 self.wait_sparse_data_dist(step.context)
 
     def _finish_host_stage(self, step: _Step) -> None:
+        agreed, step.read_agreed = step.read_agreed, None
         future, step.host_future = step.host_future, None
-        if future is None:
-            return
         try:
+            if agreed is not None:
+                agreed.result()  # first: a failed read skips the host stage after it
+            if future is None:
+                return
             result = future.result()
         except BaseException as e:
             self._failure = e
@@ -544,12 +598,16 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
 
     # ---- the host thread ----------------------------------------------------------------
 
-    def _submit_host_stage(self, step: _Step) -> Future[_HostResult] | None:
-        if not self._host_modules:
-            return None
-        future = self._worker.submit(self._host_stage, step.batch, step.context.index)
-        self._pending.append(future)
-        return future
+    def _submit_host_stage(self, step: _Step, agree_on_read: bool) -> None:
+        """Queue the batch's read agreement (``agree_on_read``, with several ranks) and host stage."""
+        index = step.context.index
+        if agree_on_read and self._agrees_on_reads():
+            step.read_agreed = self._worker.submit(self._agree_on_read, index, None)
+            self._pending.append(step.read_agreed)
+        step.host_future = None
+        if self._host_modules:
+            step.host_future = self._worker.submit(self._host_stage, step.batch, index)
+            self._pending.append(step.host_future)
 
     def _host_stage(self, batch: Any, index: int | None) -> _HostResult:
         """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement."""
