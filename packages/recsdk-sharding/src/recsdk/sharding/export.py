@@ -15,16 +15,17 @@ removed if a write fails on any rank).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.errors import os_reason
 from recsdk.sharding.checkpoint.layout import root
 from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.host_shards import HostShardedModule
 
 __all__ = ["EXPORT_MANIFEST", "export_embeddings"]
 
@@ -40,8 +41,9 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
 
     Collective when ``torch.distributed`` is initialised: every rank calls it with the same
     ``path`` and writes the ids of its own shards, in parallel. Works on a sharded model
-    (``ShardedHashEmbeddingBagCollection`` modules) and on an unsharded
-    ``HashEmbeddingBagCollection`` (written by rank 0). Changes nothing in the model.
+    (``ShardedHashEmbeddingBagCollection`` and ``ShardedHashEmbeddingCollection`` modules)
+    and on unsharded ``HashEmbeddingBagCollection`` and ``HashEmbeddingCollection`` modules
+    (written by rank 0). Changes nothing in the model.
 
     Args:
         model (nn.Module): the ``DistributedModelParallel`` or any module holding hash tables.
@@ -64,19 +66,17 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    sharded: dict[str, ShardedHashEmbeddingBagCollection] = {}
-    unsharded: dict[str, HashEmbeddingBagCollection] = {}
+    sharded: dict[str, HostShardedModule] = {}
+    unsharded: dict[str, dict[str, _Table]] = {}
     for fqn, module in root(model).named_modules():
-        if isinstance(module, ShardedHashEmbeddingBagCollection):
+        if isinstance(module, HostShardedModule):
             sharded[fqn] = module
-        elif isinstance(module, HashEmbeddingBagCollection):
-            unsharded[fqn] = module
+        elif isinstance(module, HashEmbeddingBagCollection | HashEmbeddingCollection):
+            unsharded[fqn] = _unsharded_tables(module)
     configs: list[tuple[str, str, int]] = [
         (fqn, name, int(cfg.embedding_dim)) for fqn, m in sharded.items() for name, cfg in m.table_configs.items()
     ]
-    configs += [
-        (fqn, cfg.name, int(cfg.embedding_dim)) for fqn, m in unsharded.items() for cfg in m.embedding_bag_configs()
-    ]
+    configs += [(fqn, name, t.dim) for fqn, tables in unsharded.items() for name, t in tables.items()]
     owners: dict[str, str] = {}
     dims: dict[str, int] = {}
     for fqn, name, dim in configs:
@@ -87,7 +87,9 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
         owners[name] = fqn
         dims[name] = dim
     if not owners:
-        raise ValueError("the model holds no HashEmbeddingBagCollection table to export")
+        raise ValueError(
+            "the model holds no hash table (HashEmbeddingBagCollection, HashEmbeddingCollection) to export"
+        )
     pg = next(iter(sharded.values())).host_group if sharded else None
     final = os.path.abspath(os.fspath(path))
     comm = Comm(pg, what=f"exporting embeddings to {final!r}")
@@ -120,9 +122,33 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
     return totals
 
 
+class _Table(NamedTuple):
+    """One table of an unsharded hash module."""
+
+    dim: int
+    weight: torch.Tensor
+    id_table: IdTable
+
+
+def _unsharded_tables(module: HashEmbeddingBagCollection | HashEmbeddingCollection) -> dict[str, _Table]:
+    """Table name -> its dim, weight and id table, for an unsharded hash module."""
+    tables = module.id_tables
+    if isinstance(module, HashEmbeddingBagCollection):
+        bags = module.embedding_bags
+        return {
+            c.name: _Table(int(c.embedding_dim), bags[c.name].weight, tables[c.name])
+            for c in module.embedding_bag_configs()
+        }
+    embeddings = module.embeddings
+    return {
+        c.name: _Table(int(c.embedding_dim), embeddings[c.name].weight, tables[c.name])
+        for c in module.embedding_configs()
+    }
+
+
 def _write_parts(
-    sharded: dict[str, ShardedHashEmbeddingBagCollection],
-    unsharded: dict[str, HashEmbeddingBagCollection],
+    sharded: dict[str, HostShardedModule],
+    unsharded: dict[str, dict[str, _Table]],
     dims: dict[str, int],
     tmp: str,
     rank: int,
@@ -140,12 +166,12 @@ def _write_parts(
             weight = views[name].weight
             pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
     if rank == 0:
-        for module in unsharded.values():
-            for name, table in module.id_tables.items():
-                if table.device.type == "meta":
+        for tables in unsharded.values():
+            for name, t in tables.items():
+                if t.id_table.device.type == "meta":
                     continue
-                ids, rows = table.ids_and_rows()
-                weight = module.embedding_bags[name].weight.detach()
+                ids, rows = t.id_table.ids_and_rows()
+                weight = t.weight.detach()
                 pieces.append((name, ids, weight.index_select(0, rows.to(weight.device))))
     written: dict[str, int] = {}
     for name, ids, emb in pieces:

@@ -3,7 +3,8 @@
 A checkpoint is a directory written with ``torch.distributed.checkpoint`` (DCP): one data file per
 rank, DCP's ``.metadata``, and ``recsdk_checkpoint.json``, the manifest, written last. It holds
 
-* per :class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection` table shard: the fused
+* per table shard of a sharded hash module (:class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection`,
+  :class:`~recsdk.sharding.ShardedHashEmbeddingCollection`): the fused
   kernel's weight rows and optimizer state rows, and the shard's whole
   :class:`~recsdk.embedding.IdTable` state (ids and their rows, per-id eviction metadata
   ``last_step`` and ``freq``, the free-row stack, admission counters, step clock and

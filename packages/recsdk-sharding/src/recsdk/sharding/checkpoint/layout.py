@@ -4,17 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ParameterSharding
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.optim.keyed import KeyedOptimizer
 
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.embedding import (
+    HashEmbeddingBagCollection,
+    HashEmbeddingBagConfig,
+    HashEmbeddingCollection,
+    HashEmbeddingConfig,
+    IdTable,
+)
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection, sharded_hash_modules
+from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
+from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [
+    "HashModule",
     "TableLayout",
     "admission_counters",
     "fused_counters",
@@ -32,36 +45,65 @@ def root(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedModelParallel) else model
 
 
-def hash_modules(model: nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:
-    """Sharded HashEBCs by FQN (as in ``model.state_dict()`` keys).
+class HashModule(Protocol):
+    """What a checkpoint uses of a sharded hash module.
+
+    A :class:`~recsdk.sharding.HashModule` or
+    :class:`~recsdk.sharding.ShardedHashEmbeddingCollection`: recsdk's public accessors
+    (:class:`~recsdk.sharding.HostShardedModule`) and TorchRec's ``module_sharding_plan`` and
+    ``fused_optimizer``.
+    """
+
+    @property
+    def host_group(self) -> dist.ProcessGroup: ...
+    @property
+    def id_tables(self) -> dict[str, IdTable]: ...
+    @property
+    def table_configs(self) -> dict[str, BaseEmbeddingConfig]: ...
+    @property
+    def ledger(self) -> RowLedger: ...
+    @property
+    def module_sharding_plan(self) -> Mapping[str, ParameterSharding]: ...
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer: ...
+    def table_views(self) -> dict[str, TableViews]: ...
+    def parameter_key(self, table: str) -> str: ...
+    def release_finished_pins(self) -> None: ...
+
+
+def hash_modules(model: nn.Module) -> dict[str, HashModule]:
+    """Sharded hash modules by FQN (as in ``model.state_dict()`` keys).
 
     Raises:
-        TypeError: the model holds an unsharded ``HashEmbeddingBagCollection``.
+        TypeError: the model holds an unsharded ``HashEmbeddingBagCollection`` or
+            ``HashEmbeddingCollection``.
     """
     for fqn, module in root(model).named_modules():
-        if isinstance(module, HashEmbeddingBagCollection) and not isinstance(module, ShardedHashEmbeddingBagCollection):
+        unsharded = isinstance(module, HashEmbeddingBagCollection | HashEmbeddingCollection)
+        if unsharded and not isinstance(module, HostShardedModule):
             raise TypeError(
-                f"module {fqn or '<root>'!r} is an unsharded HashEmbeddingBagCollection: checkpoints cover hash "
+                f"module {fqn or '<root>'!r} is an unsharded {type(module).__name__}: checkpoints cover hash "
                 "tables sharded by DistributedModelParallel with recsdk's sharders "
                 "(get_default_hybrid_sharders); shard the model first"
             )
-    return sharded_hash_modules(model)
+    # Every HostShardedModule is a TorchRec sharded module: it has module_sharding_plan and fused_optimizer.
+    return cast(dict[str, HashModule], sharded_hash_modules(model))
 
 
-def host_group(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> dist.ProcessGroup | None:
+def host_group(modules: Mapping[str, HashModule]) -> dist.ProcessGroup | None:
     """The host (gloo) group of the first hash module; None without hash modules (the default group)."""
     for module in modules.values():
         return module.host_group
     return None
 
 
-def weight_key(fqn: str, module: ShardedHashEmbeddingBagCollection, table: str) -> str:
+def weight_key(fqn: str, module: HashModule, table: str) -> str:
     """The table's weight key in ``model.state_dict()``."""
     key = module.parameter_key(table)
     return f"{fqn}.{key}" if fqn else key
 
 
-def hash_weight_keys(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> set[str]:
+def hash_weight_keys(modules: Mapping[str, HashModule]) -> set[str]:
     """The hash tables' weight keys in ``model.state_dict()`` (saved by shard, not as ``model/`` keys)."""
     return {weight_key(fqn, m, name) for fqn, m in modules.items() for name in m.module_sharding_plan}
 
@@ -80,7 +122,7 @@ class TableLayout:
         return sum(rows for r, _, rows in self.shards if r == rank)
 
 
-def layouts(module: ShardedHashEmbeddingBagCollection) -> dict[str, TableLayout]:
+def layouts(module: HashModule) -> dict[str, TableLayout]:
     """Every table's layout over all ranks, from the module's sharding plan."""
     configs = module.table_configs
     out = {}
@@ -95,16 +137,16 @@ def layouts(module: ShardedHashEmbeddingBagCollection) -> dict[str, TableLayout]
     return out
 
 
-def admission_counters(module: ShardedHashEmbeddingBagCollection, table: str) -> int:
+def admission_counters(module: HashModule, table: str) -> int:
     """Number of admission counters the table's id tables hold (0 without a count-min sketch)."""
     cfg = module.table_configs.get(table)
-    admission = cfg.admission if isinstance(cfg, HashEmbeddingBagConfig) else None
+    admission = cfg.admission if isinstance(cfg, HashEmbeddingBagConfig | HashEmbeddingConfig) else None
     if admission is None or admission.threshold <= 1:
         return 0
     return (admission.counter_slots // admission.num_hashes) * admission.num_hashes
 
 
-def fused_counters(module: ShardedHashEmbeddingBagCollection) -> dict[str, dict[str, torch.Tensor]]:
+def fused_counters(module: HashModule) -> dict[str, dict[str, torch.Tensor]]:
     """Per local table, fused optimizer state that is not per row (e.g. an Adam step count).
 
     Per-row state (sharded tensors, and tensors with one entry per local row) is saved with the

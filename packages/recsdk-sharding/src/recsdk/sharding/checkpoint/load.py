@@ -22,11 +22,10 @@ from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.checkpoint import files, optimizer_state, storage
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.errors import CheckpointError
-from recsdk.sharding.checkpoint.layout import fused_counters, hash_modules, hash_weight_keys, host_group
+from recsdk.sharding.checkpoint.layout import HashModule, fused_counters, hash_modules, hash_weight_keys, host_group
 from recsdk.sharding.checkpoint.manifest import hash_prefix, read_manifest
 from recsdk.sharding.checkpoint.reshard import check_resharded, commit_resharded, read_resharded
 from recsdk.sharding.checkpoint.validate import TableLoad, plan_load
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 
 __all__ = ["load_checkpoint"]
 
@@ -134,7 +133,7 @@ def load_checkpoint(
 def _check(
     model: nn.Module,
     optimizer: KeyedOptimizer | None,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     path: str,
     verify: bool,
     rank: int,
@@ -180,7 +179,7 @@ class _Decoded:
 def _stage(
     model: nn.Module,
     optimizer: KeyedOptimizer | None,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     reader_md: Mapping[str, Any],
     loads: list[TableLoad],
@@ -258,7 +257,7 @@ def _validate_read(
 def _commit(
     staged: _Staged,
     loads: list[TableLoad],
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     optimizer: KeyedOptimizer | None,
     decoded: _Decoded,

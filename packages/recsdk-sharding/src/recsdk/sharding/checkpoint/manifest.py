@@ -23,9 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from recsdk.sharding.checkpoint.files import verify_sizes
-from recsdk.sharding.checkpoint.layout import layouts
+from recsdk.sharding.checkpoint.layout import HashModule, layouts
 from recsdk.sharding.checkpoint.publish import PARTIAL
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
@@ -57,7 +56,7 @@ def optim_key(pkey: str, skey: str) -> str:
 
 def build_manifest(
     everyone: list[dict[str, Any]],
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     world: int,
     with_optimizer: bool,
     files: dict[str, dict[str, int]],

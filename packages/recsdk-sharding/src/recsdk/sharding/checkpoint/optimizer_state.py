@@ -19,9 +19,9 @@ import torch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, OptimizerWrapper
 
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.checkpoint.layout import HashModule
 from recsdk.sharding.checkpoint.manifest import optim_key
 from recsdk.sharding.checkpoint.storage import empty_like_saved
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 
 __all__ = [
     "PARAM_GROUPS_KEY",
@@ -46,7 +46,7 @@ def check_optimizer(optimizer: Any) -> None:
         )
 
 
-def hash_param_ids(modules: Mapping[str, ShardedHashEmbeddingBagCollection]) -> set[int]:
+def hash_param_ids(modules: Mapping[str, HashModule]) -> set[int]:
     """``id()`` of every hash table parameter (their state is saved with the tables)."""
     return {id(p) for m in modules.values() for p in m.fused_optimizer.params.values()}
 
@@ -75,7 +75,7 @@ def _param_group_hyperparameters(optimizer: KeyedOptimizer) -> dict[str, dict[st
 
 
 def collect(
-    optimizer: KeyedOptimizer, modules: Mapping[str, ShardedHashEmbeddingBagCollection], state: dict[str, Any]
+    optimizer: KeyedOptimizer, modules: Mapping[str, HashModule], state: dict[str, Any]
 ) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, Any]]]:
     """Add this rank's optimizer state to the DCP ``state``.
 
@@ -103,7 +103,7 @@ def collect(
 
 def targets(
     optimizer: KeyedOptimizer,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     reader_md: Mapping[str, Any],
 ) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def decode(manifest: dict[str, Any], loaded: Mapping[str, Any]) -> DecodedOptimi
 
 def apply(
     optimizer: KeyedOptimizer,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     decoded: DecodedOptimizer,
 ) -> None:

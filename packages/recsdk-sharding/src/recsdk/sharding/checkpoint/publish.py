@@ -100,11 +100,21 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def publish_directory(tmp: str, final: str, manifest_name: str, manifest: dict[str, Any], comm: Comm) -> None:
+def publish_directory(
+    tmp: str,
+    final: str,
+    manifest_name: str,
+    manifest: dict[str, Any],
+    comm: Comm,
+    *,
+    started: float | None = None,
+) -> None:
     """After every rank finished writing into ``tmp``: rank 0 writes the manifest and renames ``tmp``.
 
     If the manifest cannot be written, ``tmp`` is removed; if ``final`` appeared meanwhile, the
-    complete copy is left at ``tmp``. Either way every rank raises.
+    complete copy is left at ``tmp``. Either way every rank raises. Once published, rank 0
+    removes the stale partial directories beside ``final`` (see :func:`remove_stale_partials`;
+    ``started``: when this write began, None to keep them), before any rank returns.
 
     Raises:
         FileExistsError: ``final`` appeared while writing (rank 0; the others raise CheckpointError).
@@ -129,6 +139,8 @@ def publish_directory(tmp: str, final: str, manifest_name: str, manifest: dict[s
             raise FileExistsError(f"{final!r} appeared while saving; the complete copy is left at {tmp!r}")
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
+        if started is not None:
+            remove_stale_partials(final, older_than=started)
 
     comm.run(publish)
 

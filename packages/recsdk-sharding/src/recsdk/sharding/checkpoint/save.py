@@ -14,15 +14,16 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.sharding.checkpoint import files, optimizer_state, storage
 from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.layout import fused_counters, hash_modules, hash_weight_keys, host_group, layouts
-from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, build_manifest, hash_prefix
-from recsdk.sharding.checkpoint.publish import (
-    begin_directory,
-    discard_directory,
-    publish_directory,
-    remove_stale_partials,
+from recsdk.sharding.checkpoint.layout import (
+    HashModule,
+    fused_counters,
+    hash_modules,
+    hash_weight_keys,
+    host_group,
+    layouts,
 )
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, build_manifest, hash_prefix
+from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
 
 __all__ = ["save_checkpoint"]
 
@@ -53,7 +54,7 @@ def save_checkpoint(
 
     Args:
         model (nn.Module): the ``DistributedModelParallel`` (or a module holding
-            ``ShardedHashEmbeddingBagCollection`` modules).
+            ``HashModule`` modules).
         optimizer (KeyedOptimizer | None): usually ``CombinedOptimizer([model.fused_optimizer,
             dense_optimizer])``; None saves no dense optimizer state (the fused state of the
             hash tables is part of the tables and always saved).
@@ -105,9 +106,7 @@ def save_checkpoint(
         if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
             discard_directory(tmp, comm)
         raise
-    publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm)
-    if comm.rank == 0:
-        remove_stale_partials(final, older_than=started)
+    publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm, started=started)
     return final
 
 
@@ -118,7 +117,7 @@ def _list_files(tmp: str, rank: int) -> list[str]:
 def _collect(
     model: nn.Module,
     optimizer: KeyedOptimizer | None,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     extra: dict[str, Any] | None,
     rank: int,
 ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -19,10 +19,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.checkpoint.layout import TableLayout, admission_counters, fused_counters, hash_weight_keys, layouts
+from recsdk.sharding.checkpoint.layout import (
+    HashModule,
+    TableLayout,
+    admission_counters,
+    fused_counters,
+    hash_weight_keys,
+    layouts,
+)
 from recsdk.sharding.checkpoint.manifest import optim_key
 from recsdk.sharding.checkpoint.optimizer_state import hash_param_ids
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 
 __all__ = ["TableLoad", "plan_load"]
 
@@ -37,7 +43,7 @@ class TableLoad:
 
     fqn: str
     name: str
-    module: ShardedHashEmbeddingBagCollection
+    module: HashModule
     layout: TableLayout
     saved: dict[str, Any]
     exact: bool
@@ -53,7 +59,7 @@ class TableLoad:
 def plan_load(
     model: nn.Module,
     optimizer: KeyedOptimizer | None,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     reader_md: Mapping[str, Any],
     rank: int,
@@ -114,9 +120,7 @@ def plan_load(
     return problems, loads
 
 
-def _local_table_problems(
-    module: ShardedHashEmbeddingBagCollection, name: str, saved: dict[str, Any], where: str, rank: int
-) -> list[str]:
+def _local_table_problems(module: HashModule, name: str, saved: dict[str, Any], where: str, rank: int) -> list[str]:
     problems = []
     weight, states = module.table_views()[name]
     if saved["weight_dtype"] != str(weight.dtype):
@@ -148,9 +152,7 @@ def _describe_states(states: list[dict[str, Any]]) -> str:
     return ", ".join(f"{s['dtype']}{s['shape']}" for s in states)
 
 
-def _dense_problems(
-    model: nn.Module, modules: Mapping[str, ShardedHashEmbeddingBagCollection], reader_md: Mapping[str, Any]
-) -> list[str]:
+def _dense_problems(model: nn.Module, modules: Mapping[str, HashModule], reader_md: Mapping[str, Any]) -> list[str]:
     hash_keys = hash_weight_keys(modules)
     problems = []
     mine = {k: v for k, v in model.state_dict().items() if k not in hash_keys}
@@ -175,7 +177,7 @@ def _dense_problems(
 
 def _optimizer_problems(
     optimizer: KeyedOptimizer,
-    modules: Mapping[str, ShardedHashEmbeddingBagCollection],
+    modules: Mapping[str, HashModule],
     manifest: dict[str, Any],
     reader_md: Mapping[str, Any],
 ) -> list[str]:
