@@ -29,9 +29,9 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.types import NoWait
 
 from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase, device_groups
+from recsdk.pipeline.batch_agreements import BatchAgreements
 from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
-from recsdk.pipeline.host_worker import HostStageError, HostWorker
-from recsdk.sharding import FailureAgreement
+from recsdk.pipeline.host_worker import HostWorker
 
 __all__ = ["MAX_PIPE_N_BATCH", "HybridTrainPipelineSparseDist"]
 
@@ -92,13 +92,6 @@ def _select_device(device: torch.device) -> None:
         module = torch.get_device_module(device)
         if hasattr(module, "set_device") and device.index is not None:
             module.set_device(device)
-
-
-def _gloo_world_group() -> dist.ProcessGroup | None:
-    """A new gloo group of every rank (collective: all ranks call it); ``None`` with one rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo")
 
 
 def _check_bool(name: str, value: object) -> bool:
@@ -221,11 +214,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         self._train_steps = 0
         self._host_modules: list[ShardedModule] = []
         self._inline_modules: list[ShardedModule] = []
-        # One failure agreement per control group (a gloo group per distinct host group),
-        # once the first batch has shown which groups the host stages use.
-        self._host_agreements: list[FailureAgreement] | None = None
-        # Agreement on the data iterator's failures, over every rank (created at the first progress).
-        self._read_agreement: FailureAgreement | None = None
+        # The per-batch failure agreements (their gloo groups are created at the first progress).
+        self._agreements: BatchAgreements | None = None
         self._names: dict[int, str] = {}
         self._pending: list[Future[Any]] = []
         self._output_checked = False
@@ -410,11 +400,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if dataloader_iter is not lane.iterator:
             lane.iterator = dataloader_iter
             lane.exhausted = False
-        if self._read_agreement is None:
-            # Every rank's first progress(): a gloo group of all ranks (a read failure stops them all).
-            self._read_agreement = FailureAgreement(
-                _gloo_world_group(), what="the data iterator", peer_error=HostStageError
-            )
+        if self._agreements is None:
+            self._agreements = BatchAgreements()  # every rank's first progress(): collective
         while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
             if self._read_error is not None or self._worker.failure is not None:
                 return  # no batch after a failed one would ever compute
@@ -454,38 +441,21 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             self._agree_on_read_here(context.index, error)
         step = _Step(batch=None, context=context, inline_started=True)
         lane.steps.append(step)
-        if self._agrees_on_reads():
-            step.read_agreed = self._worker.submit(self._agree_on_read, context.index, error)
+        assert self._agreements is not None
+        if self._agreements.reads_need_agreeing:
+            step.read_agreed = self._worker.submit(self._agreements.read, context.index, error)
             self._pending.append(step.read_agreed)
         else:
             step.read_agreed = Future()
             step.read_agreed.set_exception(error)
 
-    def _agrees_on_reads(self) -> bool:
-        return self._read_agreement is not None and self._read_agreement.world_size > 1
-
-    def _agree_on_read(self, index: int | None, error: Exception | None) -> None:
-        """Every rank, once per batch read: raise on all if the data iterator failed on any.
-
-        On the calling thread until the model is rewritten (the first batch), on the host
-        thread afterwards, ahead of the batch's host stage, so that no rank issues a
-        collective for a batch another rank does not have. The failing rank re-raises its
-        own exception, the others raise :class:`HostStageError`.
-        """
-        assert self._read_agreement is not None
-        try:
-            self._read_agreement.check(error, what=f"the data iterator (batch {index})")
-        except BaseException as e:
-            failure: BaseException = e
-        else:
-            return
-        # If the agreement's own collective failed, this rank's error still comes first.
-        raise error if error is not None else failure
-
     def _agree_on_read_here(self, index: int | None, error: Exception | None) -> None:
-        """:meth:`_agree_on_read` on the calling thread; a failure stops the pipeline."""
+        """The read agreement on the calling thread (before the model is rewritten); a failure
+        stops the pipeline. Afterwards it runs on the host thread, ahead of each batch's host
+        stage, so that no rank issues a collective for a batch another rank does not have."""
+        assert self._agreements is not None
         try:
-            self._agree_on_read(index, error)
+            self._agreements.read(index, error)
         except BaseException as e:
             self._failure = e
             raise
@@ -511,7 +481,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 result = self._map_ids(module_contexts, requests)
             except BaseException as e:
                 error = e
-            self._agree(context.index, error)
+            assert self._agreements is not None
+            self._agreements.host_stage(context.index, error)
             done.set_result(result)
         except BaseException as e:
             done.set_exception(e)
@@ -538,14 +509,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                         "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
                         self._name_of(module),
                     )
-        if self._host_agreements is None:
+        assert self._agreements is not None
+        if not self._agreements.has_host_groups:
             # Every rank bootstraps at its first progress(), so all create these groups together.
-            ranks = [dist.get_process_group_ranks(pg) for pg in host_pgs]
-            self._host_agreements = [
-                FailureAgreement(dist.new_group(ranks=r, backend="gloo"), peer_error=HostStageError)
-                for r in ranks
-                if len(r) > 1
-            ]
+            self._agreements.add_host_groups(host_pgs)
 
     def _start_inline(self, step: _Step) -> None:
         if step.inline_started:
@@ -601,8 +568,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def _submit_host_stage(self, step: _Step, agree_on_read: bool) -> None:
         """Queue the batch's read agreement (``agree_on_read``, with several ranks) and host stage."""
         index = step.context.index
-        if agree_on_read and self._agrees_on_reads():
-            step.read_agreed = self._worker.submit(self._agree_on_read, index, None)
+        assert self._agreements is not None
+        if agree_on_read and self._agreements.reads_need_agreeing:
+            step.read_agreed = self._worker.submit(self._agreements.read, index, None)
             self._pending.append(step.read_agreed)
         step.host_future = None
         if self._host_modules:
@@ -621,7 +589,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
         except BaseException as e:
             error = e
-        self._agree(index, error)
+        assert self._agreements is not None
+        self._agreements.host_stage(index, error)
         return result
 
     def _map_ids(self, module_contexts: dict[str, Any], requests: dict[str, Any]) -> _HostResult:
@@ -632,27 +601,6 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             module_context, kjts = module_contexts[name], requests[name].wait()
             result[name] = (module_context, cast(HostStagedModule, module).post_input_dist(module_context, kjts))
         return result
-
-    def _agree(self, index: int | None, error: BaseException | None) -> None:
-        """Tell every rank whether this batch's host stage failed anywhere; raise if so.
-
-        One :class:`~recsdk.sharding.FailureAgreement` per control group (the pipeline's own
-        small gloo group per host group): only this function issues collectives there, once
-        per batch on every rank and group, whatever happened before, so it cannot fall out
-        of step with the other ranks. A rank whose stage failed re-raises its own exception;
-        the others raise :class:`HostStageError` naming the failed ranks.
-        """
-        raised: BaseException | None = None
-        for agreement in self._host_agreements or []:
-            try:
-                agreement.check(error, what=f"the host stage of batch {index}")
-            except BaseException as e:  # still join the other groups' agreements
-                if raised is None:
-                    raised = e
-        if error is not None:
-            raise error
-        if raised is not None:
-            raise raised
 
     def _name_of(self, module: ShardedModule) -> str:
         return self._names.get(id(module), type(module).__name__)
