@@ -44,6 +44,10 @@ def device_groups(model: torch.nn.Module) -> list[Any]:
 
     Returns:
         list: the process groups that carry device traffic.
+
+    Example::
+
+        host_staged = all(pg is not g for g in device_groups(dmp_model))
     """
     groups: list[Any] = [dist.group.WORLD]
     for module in model.modules():
@@ -59,6 +63,14 @@ class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out])
 
     Subclasses run their own schedule from these: the model rewrite, the per-batch input
     dist, the copies and stream waits, contexts. Arguments are TorchRec's.
+
+    Example::
+
+        class MyPipeline(SparseDistPipelineBase[Batch, Any]):
+            def progress(self, it):
+                batch = self._tr_copy_to_device(next(it))
+                context = self._tr_new_context()
+                ...
     """
 
     # ---- state --------------------------------------------------------------------------
