@@ -7,16 +7,24 @@ fused kernels and the pooled output dist over the default group.
 
 from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
 from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
-from recsdk.sharding.context import HashEmbeddingBagCollectionContext
+from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
-from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSparseFeaturesDist, bucketize_by_owner
+from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
+from recsdk.sharding.input_dist import (
+    HostTwSparseFeaturesDist,
+    OwnerSequenceFeaturesDist,
+    OwnerSparseFeaturesDist,
+    bucketize_by_owner,
+)
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection, sharded_hash_modules
+from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.sharders import (
     HashEmbeddingBagCollectionSharder,
+    HashEmbeddingCollectionSharder,
     HybridEmbeddingBagCollectionSharder,
     HybridShardedEmbeddingBagCollection,
     get_default_hybrid_sharders,
@@ -25,7 +33,9 @@ from recsdk.sharding.sharders import (
 from recsdk.sharding.shardings import (
     GlooRwPooledEmbeddingSharding,
     HostRwPooledEmbeddingSharding,
+    HostRwSequenceEmbeddingSharding,
     HostTwPooledEmbeddingSharding,
+    HostTwSequenceEmbeddingSharding,
 )
 from recsdk.sharding.tbe_views import TableViews
 
@@ -38,17 +48,24 @@ __all__ = [
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",
+    "HashEmbeddingCollectionContext",
+    "HashEmbeddingCollectionSharder",
     "HostRwPooledEmbeddingSharding",
+    "HostRwSequenceEmbeddingSharding",
+    "HostShardedModule",
     "HostTwPooledEmbeddingSharding",
+    "HostTwSequenceEmbeddingSharding",
     "HostTwSparseFeaturesDist",
     "HybridEmbeddingBagCollectionSharder",
     "HybridEmbeddingEnumerator",
     "HybridShardedEmbeddingBagCollection",
     "IdTableStorageEstimator",
+    "OwnerSequenceFeaturesDist",
     "OwnerSparseFeaturesDist",
     "PeerFailureError",
     "RowLedger",
     "ShardedHashEmbeddingBagCollection",
+    "ShardedHashEmbeddingCollection",
     "TableViews",
     "bucketize_by_owner",
     "export_embeddings",

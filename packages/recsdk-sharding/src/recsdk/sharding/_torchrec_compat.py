@@ -49,7 +49,7 @@ def without_range_warnings() -> Iterator[None]:
 
 
 def input_dist_ready(module: Any) -> bool:
-    """Whether a ShardedEmbeddingBagCollection has built its input dists (after its first batch).
+    """Whether a sharded EBC or EC has built its input dists (after its first batch).
 
     TorchRec keeps this in ``_has_uninitialized_input_dist``.
     """
@@ -59,9 +59,12 @@ def input_dist_ready(module: Any) -> bool:
 def local_shards(module: Any) -> Iterator[ShardedEmbeddingTable]:
     """This rank's table shards of a sharded embedding module, over all its shardings.
 
-    TorchRec keeps them in each sharding's ``_grouped_embedding_configs`` (no public accessor).
+    TorchRec keeps them in each sharding's ``_grouped_embedding_configs`` (no public accessor);
+    the shardings themselves in ``_embedding_shardings`` (EBC) or ``_sharding_type_to_sharding``
+    (EC).
     """
-    for sharding in module._embedding_shardings:
+    shardings = getattr(module, "_sharding_type_to_sharding", None)
+    for sharding in module._embedding_shardings if shardings is None else shardings.values():
         for grouped in sharding._grouped_embedding_configs:
             yield from grouped.embedding_tables
 

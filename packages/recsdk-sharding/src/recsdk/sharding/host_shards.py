@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import LazyAwaitable, ParameterSharding
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -36,7 +37,7 @@ from recsdk.sharding.input_guard import guard_input
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 
-__all__ = ["HostShardedModule", "HostShards"]
+__all__ = ["HostShardedModule", "HostShards", "sharded_hash_modules"]
 
 
 class HostShards:
@@ -163,7 +164,9 @@ class HostShards:
         missing = self._missing[i] if i < len(self._missing) else None
         if missing is None:
             return None
-        return output.masked_fill(missing.to(output.device).unsqueeze(1), 0)
+        # An unpooled lookup's output is one row per id, possibly flattened: [n * dim].
+        rows = output.view(missing.numel(), -1)
+        return rows.masked_fill(missing.to(output.device).unsqueeze(1), 0).view_as(output)
 
 
 class HostShardedModule:
@@ -246,3 +249,24 @@ class HostShardedModule:
         thread timing. A checkpoint calls it before reading the tables.
         """
         self._shards.ledger.release_finished()
+
+
+def sharded_hash_modules(model: torch.nn.Module) -> dict[str, HostShardedModule]:
+    """The sharded hash modules of a model (bag and unpooled collections), by fully qualified name.
+
+    Looks inside ``DistributedModelParallel`` (names as in ``model.module.state_dict()``).
+
+    Args:
+        model (nn.Module): a ``DistributedModelParallel`` or any module.
+
+    Returns:
+        dict[str, HostShardedModule]: FQN -> module (a ``ShardedHashEmbeddingBagCollection`` or
+        ``ShardedHashEmbeddingCollection``), in module order.
+
+    Example::
+
+        for fqn, sebc in sharded_hash_modules(ddp_model).items():
+            print(fqn, sebc.stats())
+    """
+    root = model.module if isinstance(model, DistributedModelParallel) else model
+    return {fqn: m for fqn, m in root.named_modules() if isinstance(m, HostShardedModule)}

@@ -19,14 +19,14 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from recsdk.embedding import HashEmbeddingBagCollection, IdTable, slot_index
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, slot_index
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "id_table_bytes"]
 
 
-def id_table_bytes(rows: int, config: EmbeddingBagConfig) -> int:
+def id_table_bytes(rows: int, config: BaseEmbeddingConfig) -> int:
     """Exact host bytes of the id table of a shard of ``rows`` rows of table ``config``.
 
     Builds the table on the ``meta`` device (nothing is allocated) and reads its
@@ -44,7 +44,8 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
     """TorchRec's storage estimator plus the host id table of each HashEBC shard.
 
     The id table lives in host memory (DDR) on every device type, so each shard of a
-    :class:`~recsdk.embedding.HashEmbeddingBagCollection` table gets the exact size of its id
+    :class:`~recsdk.embedding.HashEmbeddingBagCollection` or
+    :class:`~recsdk.embedding.HashEmbeddingCollection` table gets the exact size of its id
     table (:func:`id_table_bytes`) added to its DDR.
 
     Args:
@@ -56,9 +57,13 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
         super().estimate(sharding_options, sharder_data_map)  # type: ignore[arg-type]
         for option in sharding_options:
             module = option.module[1]
-            if not isinstance(module, HashEmbeddingBagCollection):
+            if isinstance(module, HashEmbeddingBagCollection):
+                configs: list[BaseEmbeddingConfig] = list(module.embedding_bag_configs())
+            elif isinstance(module, HashEmbeddingCollection):
+                configs = list(module.embedding_configs())
+            else:
                 continue
-            config = next(c for c in module.embedding_bag_configs() if c.name == option.name)
+            config = next(c for c in configs if c.name == option.name)
             for shard in option.shards:
                 if shard.storage is not None:
                     shard.storage.ddr += id_table_bytes(int(shard.size[0]), config)

@@ -17,7 +17,6 @@ import torch
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext, ShardedEmbeddingBagCollection
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -28,7 +27,7 @@ from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_shards import HostShardedModule, HostShards
 from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
 
-__all__ = ["ShardedHashEmbeddingBagCollection", "sharded_hash_modules"]
+__all__ = ["ShardedHashEmbeddingBagCollection"]
 
 _PREFIX = "embedding_bags."
 
@@ -153,23 +152,3 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         awaitable = super().compute_and_output_dist(ctx, kjts)
         self._shards.end_compute(ctx, awaitable, self.training)
         return awaitable
-
-
-def sharded_hash_modules(model: torch.nn.Module) -> dict[str, ShardedHashEmbeddingBagCollection]:
-    """The sharded HashEBCs of a model, by fully qualified name.
-
-    Looks inside ``DistributedModelParallel`` (names as in ``model.module.state_dict()``).
-
-    Args:
-        model (nn.Module): a ``DistributedModelParallel`` or any module.
-
-    Returns:
-        dict[str, ShardedHashEmbeddingBagCollection]: FQN -> module, in module order.
-
-    Example::
-
-        for fqn, sebc in sharded_hash_modules(ddp_model).items():
-            print(fqn, sebc.stats())
-    """
-    root = model.module if isinstance(model, DistributedModelParallel) else model
-    return {fqn: m for fqn, m in root.named_modules() if isinstance(m, ShardedHashEmbeddingBagCollection)}

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import (
@@ -16,12 +17,14 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recsdk.embedding import HashEmbeddingBagCollection
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
 
 __all__ = [
     "HashEmbeddingBagCollectionSharder",
+    "HashEmbeddingCollectionSharder",
     "HybridEmbeddingBagCollectionSharder",
     "HybridShardedEmbeddingBagCollection",
     "get_default_hybrid_sharders",
@@ -52,17 +55,16 @@ def validate_host_env(host_env: ShardingEnv) -> None:
         )
 
 
-class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """Shards :class:`~recsdk.embedding.HashEmbeddingBagCollection` row-wise or table-wise.
+class _HostSharder:
+    """What both hash sharders share: the host env, and row-/table-wise with the fused kernel.
 
     The id work runs on the host over ``host_env``'s gloo group; lookups use TorchRec's fused
     kernel (``compute_kernel="fused"``) on every device type, CPU included.
-
-    Args:
-        host_env (ShardingEnv): the host env (gloo group).
-        fused_params (dict | None): fused kernel parameters, as TorchRec's sharders take.
-        qcomm_codecs_registry (dict | None): as TorchRec's sharders take.
     """
+
+    fused_params: dict[str, Any] | None
+    qcomm_codecs_registry: dict[str, Any] | None
+    sharded_module_type: Any
 
     def __init__(
         self,
@@ -71,22 +73,22 @@ class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         qcomm_codecs_registry: dict[str, Any] | None = None,
     ) -> None:
         validate_host_env(host_env)
-        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
         self._host_env = host_env
 
     @property
     def host_env(self) -> ShardingEnv:
         return self._host_env
 
-    def shard(  # type: ignore[override]
+    def shard(
         self,
-        module: HashEmbeddingBagCollection,
+        module: Any,
         params: dict[str, ParameterSharding],
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedHashEmbeddingBagCollection:
-        return ShardedHashEmbeddingBagCollection(
+    ) -> Any:
+        return self.sharded_module_type(
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
@@ -103,6 +105,19 @@ class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.FUSED.value]
 
+
+class HashEmbeddingBagCollectionSharder(_HostSharder, EmbeddingBagCollectionSharder):
+    """Shards :class:`~recsdk.embedding.HashEmbeddingBagCollection` row-wise or table-wise.
+
+    The id work runs on the host over ``host_env``'s gloo group; lookups use TorchRec's fused
+    kernel (``compute_kernel="fused"``) on every device type, CPU included.
+
+    Args:
+        host_env (ShardingEnv): the host env (gloo group).
+        fused_params (dict | None): fused kernel parameters, as TorchRec's sharders take.
+        qcomm_codecs_registry (dict | None): as TorchRec's sharders take.
+    """
+
     @property
     def module_type(self) -> type[HashEmbeddingBagCollection]:  # type: ignore[override]
         return HashEmbeddingBagCollection
@@ -110,6 +125,26 @@ class HashEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> type[ShardedHashEmbeddingBagCollection]:  # type: ignore[override]
         return ShardedHashEmbeddingBagCollection
+
+
+class HashEmbeddingCollectionSharder(_HostSharder, EmbeddingCollectionSharder):
+    """Shards :class:`~recsdk.embedding.HashEmbeddingCollection` row-wise or table-wise.
+
+    As :class:`HashEmbeddingBagCollectionSharder`, for unpooled tables.
+
+    Args:
+        host_env (ShardingEnv): the host env (gloo group).
+        fused_params (dict | None): fused kernel parameters, as TorchRec's sharders take.
+        qcomm_codecs_registry (dict | None): as TorchRec's sharders take.
+    """
+
+    @property
+    def module_type(self) -> type[HashEmbeddingCollection]:  # type: ignore[override]
+        return HashEmbeddingCollection
+
+    @property
+    def sharded_module_type(self) -> type[ShardedHashEmbeddingCollection]:  # type: ignore[override]
+        return ShardedHashEmbeddingCollection
 
 
 class HybridShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -185,15 +220,16 @@ def get_default_hybrid_sharders(
 ) -> list[ModuleSharder[torch.nn.Module]]:
     """The sharders to pass to the planner and to ``DistributedModelParallel``.
 
-    One for :class:`~recsdk.embedding.HashEmbeddingBagCollection` (hybrid row-wise and
-    table-wise) and one for TorchRec's plain ``EmbeddingBagCollection`` (its own shardings,
-    plus row-wise on CPU). Pass the same list to both: a plan made with these sharders cannot
-    be executed with TorchRec's defaults.
+    One each for :class:`~recsdk.embedding.HashEmbeddingBagCollection` and
+    :class:`~recsdk.embedding.HashEmbeddingCollection` (hybrid row-wise and table-wise), one for
+    TorchRec's plain ``EmbeddingBagCollection`` (its own shardings, plus row-wise on CPU) and
+    TorchRec's own for its ``EmbeddingCollection``. Pass the same list to both: a plan made with
+    these sharders cannot be executed with TorchRec's defaults.
 
     Args:
         host_env (ShardingEnv): env over a gloo group for the host id work, e.g.
             ``ShardingEnv(world_size, rank, pg=dist.new_group(backend="gloo"))``.
-        fused_params (dict | None): fused kernel parameters for both sharders.
+        fused_params (dict | None): fused kernel parameters for every sharder.
 
     Returns:
         list[ModuleSharder]: the sharders.
@@ -208,5 +244,7 @@ def get_default_hybrid_sharders(
     validate_host_env(host_env)
     return [
         HashEmbeddingBagCollectionSharder(host_env, fused_params=fused_params),  # type: ignore[list-item]
+        HashEmbeddingCollectionSharder(host_env, fused_params=fused_params),  # type: ignore[list-item]
         HybridEmbeddingBagCollectionSharder(fused_params=fused_params),  # type: ignore[list-item]
+        EmbeddingCollectionSharder(fused_params=fused_params),  # type: ignore[list-item]
     ]

@@ -1,0 +1,140 @@
+"""``ShardedHashEmbeddingCollection``: a HashEmbeddingCollection sharded row-wise or table-wise.
+
+The unpooled sibling of :class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection`: a thin
+adapter between TorchRec's ``ShardedEmbeddingCollection`` and the same host-side parts
+(:class:`~recsdk.sharding.host_shards.HostShards`), with the sequence shardings of
+:mod:`~recsdk.sharding.shardings`. Every id keeps its place: the owner looks its row up, and
+TorchRec's sequence output dist returns one embedding per id, in input order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrec.distributed.embedding import EmbeddingCollectionContext, ShardedEmbeddingCollection
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from recsdk.embedding import HashEmbeddingCollection
+from recsdk.sharding.context import HashEmbeddingCollectionContext
+from recsdk.sharding.host_adam import HostAdam
+from recsdk.sharding.host_shards import HostShardedModule, HostShards
+from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
+
+__all__ = ["ShardedHashEmbeddingCollection"]
+
+_PREFIX = "embeddings."
+
+
+class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollection):
+    """A :class:`~recsdk.embedding.HashEmbeddingCollection` sharded for hybrid training.
+
+    Built by :class:`~recsdk.sharding.HashEmbeddingCollectionSharder`; users get it from
+    ``DistributedModelParallel``. As the sharded bag collection: one
+    :class:`~recsdk.embedding.IdTable` per local table shard (row-wise: capacity split across
+    ranks), the id work on the host over the host group, fused optimizers (the CPU Adam
+    included), rows of batches in flight pinned, reused rows re-initialised with zeroed
+    optimizer state before their batch's lookup, the input checked as the unsharded module
+    checks it. ``forward`` returns ``dict[str, JaggedTensor]`` with one embedding per id; an id
+    without a row (not admitted, or unknown in eval) gets a zero embedding and no gradient.
+
+    Args:
+        module (HashEmbeddingCollection): the unsharded module (usually on ``meta``).
+        table_name_to_parameter_sharding (dict[str, ParameterSharding]): the plan for it.
+        env (ShardingEnv): the device sharding env (default group).
+        host_env (ShardingEnv): the host env; its group must be gloo.
+        fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
+            ``ShardedEmbeddingCollection``.
+    """
+
+    def __init__(
+        self,
+        module: HashEmbeddingCollection,
+        table_name_to_parameter_sharding: dict[str, Any],
+        env: ShardingEnv,
+        host_env: ShardingEnv,
+        fused_params: dict[str, Any] | None = None,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        module_fqn: str | None = None,
+    ) -> None:
+        check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingCollection")
+        # Inputs of the base constructor's hooks (create_embedding_sharding and
+        # create_grouped_sharding_infos), which only read them.
+        self._host_pg = host_env.process_group
+        infos = ShardedEmbeddingCollection.create_grouped_sharding_infos(
+            module, table_name_to_parameter_sharding, fused_params
+        )
+        self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
+        super().__init__(
+            module=module,
+            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
+            env=env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+        self._shards = HostShards(
+            self,
+            plan=table_name_to_parameter_sharding,
+            rank=env.rank,
+            host_pg=self._host_pg,
+            features=list(dict.fromkeys(f for c in module.embedding_configs() for f in c.feature_names)),
+            name="HashEmbeddingCollection",
+            is_weighted=False,
+            host_adam=self._host_adam,
+            prefix=_PREFIX,
+            pooled=False,
+            device=device,
+        )
+
+    # ---- TorchRec's hooks
+
+    def create_grouped_sharding_infos(  # type: ignore[override]
+        self,
+        module: Any,
+        table_name_to_parameter_sharding: dict[str, Any],
+        fused_params: dict[str, Any] | None,
+    ) -> dict[str, list[EmbeddingShardingInfo]]:
+        infos = super().create_grouped_sharding_infos(module, table_name_to_parameter_sharding, fused_params)
+        self._host_adam.rewrite(infos)
+        return infos
+
+    def create_embedding_sharding(  # type: ignore[override]
+        self,
+        sharding_type: str,
+        sharding_infos: list[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+    ) -> EmbeddingSharding:
+        return create_host_sharding(sharding_infos, env, device, qcomm_codecs_registry, self._host_pg, pooled=False)
+
+    def create_context(self) -> HashEmbeddingCollectionContext:
+        return HashEmbeddingCollectionContext()
+
+    @property
+    def unsharded_module_type(self) -> type[HashEmbeddingCollection]:  # type: ignore[override]
+        return HashEmbeddingCollection
+
+    def input_dist(self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor) -> Any:  # type: ignore[override]
+        """TorchRec's input dist, after the unsharded module's checks, with keys in a fixed order.
+
+        A batch that fails the checks is replaced by an empty one (every rank must join the id
+        all-to-alls) and its error raised at the host stage's agreement, on every rank.
+        """
+        assert isinstance(ctx, HashEmbeddingCollectionContext)
+        return super().input_dist(ctx, self._shards.guard(ctx, features))
+
+    def compute_and_output_dist(  # type: ignore[override]
+        self, ctx: EmbeddingCollectionContext, input: KJTList
+    ) -> LazyAwaitable[dict[str, JaggedTensor]]:
+        assert isinstance(ctx, HashEmbeddingCollectionContext)
+        kjts = self._shards.begin_compute(ctx, input, self.training)
+        awaitable = super().compute_and_output_dist(ctx, kjts)
+        self._shards.end_compute(ctx, awaitable, self.training)
+        return awaitable
