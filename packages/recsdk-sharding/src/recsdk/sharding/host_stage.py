@@ -232,9 +232,13 @@ class IdMappingStage:
         except TableFullError as e:
             shard = self._shards[name]
             cause = str(e).split(". Raise", 1)[0]
+            advice = (
+                "use smaller batches or map fewer batches ahead (a pipeline's pipe_n_batch)"
+                if table.eviction is not None
+                else "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction) in its config"
+            )
             raise TableFullError(
                 f"table {shard.table!r} is full on rank {shard.rank}: its {shard.sharding_type} shard there holds "
                 f"{table.capacity} of the table's {shard.num_embeddings} rows. {cause}. Raise num_embeddings of "
-                f"table {shard.table!r} (each rank's shard grows with it), or set an eviction policy "
-                "(LRUEviction, LFUEviction or TTLEviction) in its config."
+                f"table {shard.table!r} (each rank's shard grows with it), {advice}."
             ) from e
