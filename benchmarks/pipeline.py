@@ -103,8 +103,10 @@ class HostStageTimer:
             start = time.perf_counter()
             ctx = module.create_context()
             received = module.input_dist(ctx, *inputs).wait().wait()
+            # What compute_and_output_dist begins with in a plain loop (post_input_dist would map
+            # ahead, holding the rows until compute): release the last batch's rows, map inline.
             module.release_finished_pins()
-            mapped = module._map(ctx, received, ahead=False)  # post_input_dist maps ahead: it holds rows
+            mapped = module._shards.map(ctx, received, ahead=False, training=module.training)
             self.seconds += time.perf_counter() - start
             return module.compute_and_output_dist(ctx, mapped)
 
