@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,3 +212,62 @@ def test_the_unconstrained_planner_gives_a_working_plan() -> None:
         assert set(r["plan"]) == {"item", "user"}
         assert set(r["plan"].values()) <= {"row_wise", "table_wise"}
         assert all(loss == loss for loss in r["losses"])
+
+
+def _faults(rank: int, world_size: int, sharding_type: str, fault: str) -> dict:
+    ddp_model, sec = _sharded_model(sharding_type, capacity=64 if fault == "full" else 1024)
+    loss, _ = ddp_model(_batch(8, seed=rank))  # a good first batch builds the input dists
+    loss.backward()
+    batch = _batch(0 if fault == "empty" and rank == 0 else 8, seed=10 + rank)
+    kjt = batch.sparse_features
+    if rank == 0 and fault == "unknown":
+        kjt = KeyedJaggedTensor(
+            keys=[*kjt.keys(), "zzz"],
+            values=torch.cat([kjt.values(), torch.tensor([5])]),
+            lengths=torch.cat([kjt.lengths(), torch.ones(8, dtype=torch.int64)]),
+        )
+    elif rank == 0 and fault == "float":  # a Batch refuses float ids itself: call the module
+        kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().double(), lengths=kjt.lengths())
+    start = time.monotonic()
+    try:
+        if fault == "full":
+            for step in range(12):
+                loss, _ = ddp_model(_batch(8, seed=100 * rank + step))
+                loss.backward()
+        else:  # the sharded module itself, as the model would call it
+            out = sec(kjt).wait()
+            sum(jt.values().sum() for jt in out.values()).backward()
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    lengths = {k: jt.lengths().tolist() for k, jt in out.items()}
+    return {"error": None, "stored": sum(len(t) for t in sec.id_tables.values()), "lengths": lengths}
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "table_wise"])
+@pytest.mark.parametrize(
+    ("fault", "error", "expected"),
+    [("unknown", "ValueError", "unknown ['zzz']"), ("float", "TypeError", "must be int64 or int32")],
+)
+def test_a_bad_batch_on_one_rank_raises_on_every_rank(
+    sharding_type: str, fault: str, error: str, expected: str
+) -> None:
+    own, peer = run_distributed(_faults, 2, sharding_type, fault, timeout_s=90)
+    assert own["error"] == error and expected in own["message"] and "HashEmbeddingCollection" in own["message"], own
+    assert peer["error"] == "PeerFailureError" and "failed on rank(s) [0]" in peer["message"], peer
+    assert own["seconds"] < 10 and peer["seconds"] < 10, (own, peer)
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "table_wise"])
+def test_a_rank_with_an_empty_batch_looks_up(sharding_type: str) -> None:
+    empty, full = run_distributed(_faults, 2, sharding_type, "empty", timeout_s=90)
+    assert empty["error"] is None and full["error"] is None, (empty, full)
+    assert empty["lengths"] == {"history": [], "candidate": [], "user": []}, empty["lengths"]
+    assert [len(v) for v in full["lengths"].values()] == [8, 8, 8]
+    assert empty["stored"] + full["stored"] > 0
+
+
+def test_a_full_table_names_the_table() -> None:
+    results = run_distributed(_faults, 2, "row_wise", "full", timeout_s=90)
+    assert all(r["error"] in ("TableFullError", "PeerFailureError") for r in results), results
+    own = next(r for r in results if r["error"] == "TableFullError")
+    assert "table 'item' is full" in own["message"] or "table 'user' is full" in own["message"], own

@@ -58,4 +58,11 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext, HostStage
 
 @dataclass
 class HashEmbeddingCollectionContext(EmbeddingCollectionContext, HostStageState):
-    """TorchRec's EC context plus :class:`HostStageState`."""
+    """TorchRec's EC context plus :class:`HostStageState`.
+
+    Attributes:
+        padded (bool): this rank's batch was empty and went through TorchRec as one sample
+            without ids (its sequence lookups cannot take a batch of size 0); the output drops it.
+    """
+
+    padded: bool = False

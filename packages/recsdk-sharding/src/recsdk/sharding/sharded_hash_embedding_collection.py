@@ -128,7 +128,16 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         all-to-alls) and its error raised at the host stage's agreement, on every rank.
         """
         assert isinstance(ctx, HashEmbeddingCollectionContext)
-        return super().input_dist(ctx, self._shards.guard(ctx, features))
+        features = self._shards.guard(ctx, features)
+        if features.stride() == 0:  # TorchRec's sequence path cannot take a batch of size 0
+            ctx.padded = True
+            features = KeyedJaggedTensor(
+                keys=features.keys(),
+                values=features.values(),
+                lengths=torch.zeros(len(features.keys()), dtype=features.lengths().dtype),
+                stride=1,
+            )
+        return super().input_dist(ctx, features)
 
     def compute_and_output_dist(  # type: ignore[override]
         self, ctx: EmbeddingCollectionContext, input: KJTList
@@ -137,4 +146,14 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         kjts = self._shards.begin_compute(ctx, input, self.training)
         awaitable = super().compute_and_output_dist(ctx, kjts)
         self._shards.end_compute(ctx, awaitable, self.training)
+        if ctx.padded:
+            awaitable.callbacks.append(_drop_padding)
         return awaitable
+
+
+def _drop_padding(out: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+    """The output of a batch of size 0 that went through as one sample without ids."""
+    return {
+        key: JaggedTensor(values=jt.values(), lengths=jt.lengths()[:0], weights=jt.weights_or_none())
+        for key, jt in out.items()
+    }
