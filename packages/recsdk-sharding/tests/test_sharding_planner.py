@@ -15,7 +15,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
-from recsdk.embedding import IdTable
+from recsdk.embedding import HashEmbeddingCollection, HashEmbeddingConfig, IdTable
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
     get_default_hybrid_sharders,
@@ -144,3 +144,33 @@ def test_host_env_must_be_a_gloo_sharding_env() -> None:
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _ec_storage(rank: int, world_size: int) -> dict:
+    ec = HashEmbeddingCollection(
+        tables=[
+            HashEmbeddingConfig(
+                name="item", embedding_dim=8, num_embeddings=60_000, feature_names=["history", "candidate"]
+            )
+        ],
+        device=torch.device("meta"),
+    )
+    model = torch.nn.ModuleDict({"ec": ec})
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    hybrid = HybridEmbeddingEnumerator(topology=topology, batch_size=64)
+    stock = EmbeddingEnumerator(topology=topology, batch_size=64)
+
+    def ddr(enumerator: EmbeddingEnumerator) -> dict:
+        return {o.sharding_type: [s.storage.ddr for s in o.shards] for o in enumerator.enumerate(model, sharders)}
+
+    with_table, without = ddr(hybrid), ddr(stock)
+    return {k: [a - b for a, b in zip(with_table[k], without[k], strict=True)] for k in with_table}
+
+
+def test_storage_counts_the_id_tables_of_a_hash_embedding_collection() -> None:
+    extra = run_distributed(_ec_storage, 2, timeout_s=120)[0]
+    config = HashEmbeddingConfig(name="item", embedding_dim=8, num_embeddings=60_000, feature_names=["history"])
+    assert set(extra) == {"row_wise", "table_wise"}, extra
+    assert extra["row_wise"] == [id_table_bytes(30_000, config)] * 2
+    assert extra["table_wise"] == [id_table_bytes(60_000, config)]
