@@ -56,7 +56,10 @@ def check_features(
     lengths = features.lengths()
     if lengths.numel() > 0:
         if bool((lengths < 0).any()):
-            raise ValueError(f"{module}: the KJT of features {keys} has negative lengths (min {int(lengths.min())})")
+            raise ValueError(
+                f"{module}: the KJT of features {keys} has negative lengths (min {int(lengths.min())}); "
+                "lengths must be >= 0"
+            )
         total = int(lengths.sum())
         if total != values.numel():
             raise ValueError(
