@@ -478,3 +478,52 @@ def test_an_unpooled_hash_collection_round_trips_reshards_and_exports(tmp_path: 
         table = pq.read_table(tmp_path / "ec_export" / name)
         assert sorted(table.column("id").to_pylist()) == sorted(i for t, i in saved if t == name)
         assert ranks[0]["counts"][name] == table.num_rows
+
+
+# ---- TorchRec-sharded tables beside the hash tables -----------------------------------------------
+
+
+class _WithPlainEBC(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+        self.ebc = SparseNN(_configs()[:1], num_dense=4, device="meta").ebc
+        self.plain = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="p0", embedding_dim=4, num_embeddings=64, feature_names=["g0"])],
+            device=torch.device("meta"),
+        )
+
+
+def _sharded_state(ddp_model, optimizer) -> list[torch.Tensor]:
+    weight = ddp_model.state_dict()["plain.embedding_bags.p0.weight"]
+    state = optimizer.state_dict()["state"].get("plain.embedding_bags.p0.weight", {})
+    tensors = [s.tensor for s in weight.local_shards()]
+    tensors += [s.tensor for value in state.values() for s in value.local_shards()]
+    return tensors
+
+
+def _plain_round_trip(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _WithPlainEBC()
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.parameters(), {"lr": 0.1, "eps": 0.1})
+    constraints = {"p0": ParameterConstraints(sharding_types=["table_wise"])}
+    ddp_model = shard(model, batch_size=BATCH, constraints=constraints)
+    optimizer = CombinedOptimizer([ddp_model.fused_optimizer])
+    with torch.no_grad():
+        for t in _sharded_state(ddp_model, optimizer):
+            t.copy_(torch.rand(t.shape))
+    saved = [t.clone() for t in _sharded_state(ddp_model, optimizer)]
+    path = save_checkpoint(ddp_model, optimizer, os.path.join(root, "ckpt"))
+    with torch.no_grad():
+        for t in _sharded_state(ddp_model, optimizer):
+            t.fill_(7.0)
+    load_checkpoint(ddp_model, optimizer, path)
+    return {"saved": saved, "loaded": [t.clone() for t in _sharded_state(ddp_model, optimizer)]}
+
+
+def test_torchrec_sharded_tensors_load_back_through_staging(tmp_path: Path) -> None:
+    ranks = run_distributed(_plain_round_trip, 2, str(tmp_path), timeout_s=120)
+    assert sum(len(r["saved"]) for r in ranks) == 2, "the table-wise weight and its Adagrad state, on one rank"
+    for r in ranks:
+        _assert_same(r["loaded"], r["saved"], "plain EBC weight and optimizer state")

@@ -28,8 +28,9 @@ class Comm:
     """Collectives over ``group``, or their one-process equivalents without ``torch.distributed``.
 
     Args:
-        group (dist.ProcessGroup | None): the host (gloo) group over every rank; None is the
-            default group.
+        group (dist.ProcessGroup | None): the host (gloo) group over every rank; None: the
+            default group if it is gloo, else a new gloo group (collective: every rank builds
+            its ``Comm`` at the same point).
         what (str): what the ranks do, for the message of the healthy ranks when one fails,
             e.g. ``"loading checkpoint '/ckpt/step_10'"``.
 
@@ -39,6 +40,8 @@ class Comm:
 
     def __init__(self, group: dist.ProcessGroup | None, what: str) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed and group is None and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")  # the agreement's flag and the objects travel on CPU
         self.group = group
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
