@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
 from recsdk.sharding.checkpoint.errors import CheckpointError
 
-__all__ = ["checksum", "data_files", "describe", "my_share", "verify_checksums", "verify_sizes"]
+__all__ = [
+    "BackgroundChecksums",
+    "checksum",
+    "data_files",
+    "describe",
+    "my_share",
+    "verify_checksums",
+    "verify_sizes",
+]
 
 _CHUNK = 1 << 30
 
@@ -100,6 +109,42 @@ def verify_checksums(directory: str, files: Mapping[str, Mapping[str, Any]], nam
             problems.append(f"{path!r} has CRC-32 {have:#010x}, the manifest recorded {want:#010x} (damaged)")
     if problems:
         raise CheckpointError(_damaged(directory, problems))
+
+
+class BackgroundChecksums:
+    """:func:`verify_checksums` on a thread, so that a load checks the files while it reads them.
+
+    ``zlib.crc32`` and file reads release the GIL: on a host with a spare core the check costs
+    little time. :meth:`result` waits for it and raises what it found.
+
+    Args:
+        directory (str): the checkpoint.
+        files (Mapping): the manifest's ``files``.
+        names (list[str]): the files to check.
+    """
+
+    def __init__(self, directory: str, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> None:
+        self._error: Exception | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(directory, files, names), name="recsdk-checkpoint-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, directory: str, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> None:
+        try:
+            verify_checksums(directory, files, names)
+        except Exception as e:
+            self._error = e
+
+    def result(self) -> None:
+        """Wait for the check.
+
+        Raises:
+            CheckpointError: naming each file whose bytes differ from those saved.
+        """
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _damaged(directory: str, problems: list[str]) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -28,6 +29,8 @@ from recsdk.sharding.checkpoint.reshard import check_resharded, commit_resharded
 from recsdk.sharding.checkpoint.validate import TableLoad, plan_load
 
 __all__ = ["load_checkpoint"]
+
+_DCP_METADATA = ".metadata"
 
 _TABLE_KEYS = (
     "ids",
@@ -120,11 +123,30 @@ def load_checkpoint(
         module.release_finished_pins()
 
     manifest, reader_md, loads = comm.run(_check, model, optimizer, modules, path, verify, comm.rank, comm.world)
+    checks = None
+    if verify:  # the data files' checksums, while they are read into the staging buffers
+        recorded: dict[str, dict[str, int]] = manifest.get("files", {})
+        data = [name for name in recorded if name != _DCP_METADATA]
+        checks = files.BackgroundChecksums(path, recorded, files.my_share(data, comm.rank, comm.world))
+
+    def read(targets: dict[str, Any]) -> None:
+        """Collective: DCP's read into ``targets``; a damaged file found meanwhile is the error to raise."""
+        error: BaseException | None = None
+        try:
+            storage.read(targets, path, comm)
+        except (Exception, dcp.CheckpointException) as e:
+            error = e
+        if error is not None and checks is not None:
+            comm.run(checks.result)  # every rank names the damaged file, if one is
+        comm.run(_raise, error)
+
     reshard = [t for t in loads if not t.exact]
     if reshard:
-        read_resharded(reshard, path, reader_md, comm)
+        read_resharded(reshard, reader_md, comm, read)
     staged = comm.run(_stage, model, optimizer, modules, manifest, reader_md, loads, comm)
-    comm.run(storage.read, staged.targets, path, comm)
+    read(staged.targets)
+    if checks is not None:
+        comm.run(checks.result)
     decoded = comm.run(_validate_read, staged, loads, manifest, optimizer, path)
     comm.run(_commit, staged, loads, modules, manifest, optimizer, decoded)
     return decoded.extra
@@ -143,13 +165,18 @@ def _check(
     manifest = read_manifest(path)
     recorded: dict[str, dict[str, int]] = manifest.get("files", {})
     files.verify_sizes(path, recorded)
-    if verify:
-        files.verify_checksums(path, recorded, files.my_share(list(recorded), rank, world))
+    if verify and _DCP_METADATA in recorded:  # small, and unpickled right away
+        files.verify_checksums(path, recorded, [_DCP_METADATA])
     reader_md = storage.read_metadata(path).state_dict_metadata
     problems, loads = plan_load(model, optimizer, modules, manifest, reader_md, rank, world)
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match the model:\n" + "\n".join(f"  - {p}" for p in problems))
     return manifest, reader_md, loads
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
 
 
 @dataclass

@@ -11,7 +11,7 @@ optimizer counters are merged by element-wise max. Nothing in the model changes 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,11 +30,17 @@ _INT32_MAX = 2**31 - 1
 Job = tuple[TableLoad, dict[str, Any]]
 
 
-def read_resharded(tables: list[TableLoad], path: str, reader_md: Mapping[str, Any], comm: Comm) -> None:
+def read_resharded(
+    tables: list[TableLoad],
+    reader_md: Mapping[str, Any],
+    comm: Comm,
+    read: Callable[[dict[str, Any]], None],
+) -> None:
     """Collective: read the saved shards of ``tables``, route every id to its new shard, check capacity.
 
-    Fills ``ids``/``meta``/``weight_rows``/``state_rows``/``counters``/``step``/``fused`` of the
-    tables this rank holds in the new layout. Modifies nothing in the model.
+    ``read`` is the collective read into staging buffers (its failures agreed). Fills
+    ``ids``/``meta``/``weight_rows``/``state_rows``/``counters``/``step``/``fused`` of the tables
+    this rank holds in the new layout. Modifies nothing in the model.
 
     Raises:
         CheckpointError: reading failed (on every rank).
@@ -42,7 +48,7 @@ def read_resharded(tables: list[TableLoad], path: str, reader_md: Mapping[str, A
             rank, ids and capacity).
     """
     mine, targets = comm.run(_targets, tables, reader_md, comm.rank, comm.world)
-    comm.run(storage.read, targets, path, comm)
+    read(targets)
     outgoing, counts, fused_local = comm.run(_route, tables, mine, targets, comm.world)
     gathered = comm.gather((counts, fused_local))
     all_counts = torch.stack([c for c, _ in gathered])  # [source, table, dest]
