@@ -101,14 +101,25 @@ def build(
     model = HybridModel(capacity, eviction)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1, "eps": 0.1})
     apply_optimizer_in_backward(torch.optim.Adagrad, model.plain.parameters(), {"lr": 0.1, "eps": 0.1})
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    host_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=host_timeout_s))
-    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size=world_size, rank=rank, pg=host_pg))
     constraints = {
         "t0": ParameterConstraints(sharding_types=["row_wise"]),
         "t1": ParameterConstraints(sharding_types=["table_wise"]),
         "t2": ParameterConstraints(sharding_types=["table_wise"]),
     }
+    return shard(model, constraints, lambda params: torch.optim.Adagrad(params, lr=0.1), host_timeout_s)
+
+
+def shard(
+    model: nn.Module,
+    constraints: dict[str, ParameterConstraints],
+    dense_optimizer: Any,
+    host_timeout_s: float = 30.0,
+) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """Steps 6-7 on CPU: hybrid sharders (host group with ``host_timeout_s``), the planner with
+    recsdk's enumerator and ``constraints``, DMP, and the fused + ``dense_optimizer(params)`` optimizer."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    host_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=host_timeout_s))
+    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size=world_size, rank=rank, pg=host_pg))
     topology = Topology(world_size=world_size, compute_device="cpu")
     planner = EmbeddingShardingPlanner(
         topology=topology,
@@ -117,10 +128,7 @@ def build(
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adagrad(params, lr=0.1),
-    )
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), dense_optimizer)
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 

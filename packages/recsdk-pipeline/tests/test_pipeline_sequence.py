@@ -6,20 +6,17 @@ with recsdk's CPU Adam, for several lookaheads.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from pipeline_models import equal_snapshots, plain_loop
+from pipeline_models import equal_snapshots, plain_loop, shard
 from torch import nn
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner import ParameterConstraints
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
@@ -33,11 +30,9 @@ from recsdk.embedding import (
 from recsdk.pipeline import (
     CombinedOptimizer,
     HybridTrainPipelineSparseDist,
-    KeyedOptimizerWrapper,
     apply_optimizer_in_backward,
-    in_backward_optimizer_filter,
 )
-from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders, sharded_hash_modules
+from recsdk.sharding import sharded_hash_modules
 
 CPU = torch.device("cpu")
 DIM = 8
@@ -118,25 +113,11 @@ def _build(optimizer: str, capacity: int = 480) -> tuple[DistributedModelParalle
         "adam": (torch.optim.Adam, {"lr": 0.01}),
     }[optimizer]
     apply_optimizer_in_backward(opt_class, [*model.ec.parameters(), *model.ebc.parameters()], kwargs)
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    host_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=30))
-    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size=world_size, rank=rank, pg=host_pg))
     constraints = {
         "item": ParameterConstraints(sharding_types=["row_wise"]),
         "user": ParameterConstraints(sharding_types=["table_wise"]),
     }
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=constraints,
-        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=8, constraints=constraints),
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=CPU, plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.SGD(p, lr=0.1)
-    )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return shard(model, constraints, lambda params: torch.optim.SGD(params, lr=0.1))
 
 
 def _batches(num: int, rank: int, batch_size: int = 4) -> list[SequenceBatch]:
