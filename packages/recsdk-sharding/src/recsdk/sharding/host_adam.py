@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.types import LazyAwaitable
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
@@ -164,13 +165,24 @@ class HostAdam:
         Args:
             infos (Mapping[str, list[EmbeddingShardingInfo]]): sharding type -> infos.
             emulate (bool): whether the kernel lacks Adam (the CPU kernel does).
+
+        Raises:
+            ValueError: an Adam table whose weights are not FP32 (named).
         """
         hyper = {}
         if emulate:
             for group in infos.values():
                 for info in group:
                     if info.fused_params and is_adam(info.fused_params):
-                        hyper[info.embedding_config.name] = adam_params_from_fused(info.fused_params)
+                        config = info.embedding_config
+                        if config.data_type != DataType.FP32:
+                            raise ValueError(
+                                f"table {config.name!r}: Adam on the CPU kernel needs FP32 weights, got "
+                                f"data_type={config.data_type.name} (recsdk's CPU Adam recovers each row's "
+                                "gradient from the kernel's SGD step, which a lower precision rounds away); "
+                                "use DataType.FP32, or RowWiseAdagrad/Adagrad/SGD with FP16 tables"
+                            )
+                        hyper[config.name] = adam_params_from_fused(info.fused_params)
         return cls(hyper)
 
     @property
