@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from sharding_models import SparseNN, auc, shard, sharded_hash_ebc
-from torchrec.distributed.planner import ParameterConstraints
+from sharding_models import SparseNN, auc, host_env, shard, sharded_hash_ebc
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -18,6 +19,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from recsdk.data import RandomRecDataset
 from recsdk.data.testing import DistributedTestError, run_distributed
 from recsdk.embedding import HashEmbeddingBagConfig
+from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders
 
 FEATURES = ["f0", "f1"]
 
@@ -97,3 +99,31 @@ def test_fp16_with_the_cpu_adam_is_refused_naming_the_table() -> None:
         run_distributed(_adam_fp16, 2, timeout_s=120)
     text = str(info.value)
     assert "ValueError" in text and "'t0'" in text and "FP16" in text and "Adam" in text, text
+
+
+def _planned_storage(rank: int, world_size: int) -> dict:
+    out = {}
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    for data_type in (DataType.FP32, DataType.FP16):
+        model = SparseNN(_tables(data_type), num_dense=4, device="meta")
+        for kind, enumerator in (
+            ("hybrid", HybridEmbeddingEnumerator(topology=topology, batch_size=128)),
+            ("torchrec", EmbeddingEnumerator(topology=topology, batch_size=128)),
+        ):
+            options = enumerator.enumerate(model, sharders)
+            out[(data_type.name, kind)] = {
+                o.sharding_type: sum(s.storage.ddr for s in o.shards) for o in options if o.name == "t0"
+            }
+    return out
+
+
+def test_the_planner_counts_fp16_rows_at_half_the_bytes() -> None:
+    r = run_distributed(_planned_storage, 2, timeout_s=120)[0]
+    for layout, fp32 in r[("FP32", "hybrid")].items():
+        fp16 = r[("FP16", "hybrid")][layout]
+        # The rows shrink by 2 bytes per element (TorchRec's estimate of what depends on them too) ...
+        assert fp32 - fp16 >= 4096 * 16 * 2, (layout, fp32, fp16)
+        # ... the id table (int64 ids and metadata) does not.
+        id_table_fp32 = fp32 - r[("FP32", "torchrec")][layout]
+        assert id_table_fp32 > 0 and id_table_fp32 == fp16 - r[("FP16", "torchrec")][layout], layout
