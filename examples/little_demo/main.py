@@ -6,6 +6,7 @@ live in ``dataset.py``, the model of step 4 in ``model.py``)::
     python examples/little_demo/main.py --world-size 2               # spawns 2 local ranks
     torchrun --nproc_per_node=2 examples/little_demo/main.py         # the same under torchrun
     python examples/little_demo/main.py --world-size 2 --data criteo --data-path day_0.tsv.gz
+    python examples/little_demo/main.py --world-size 2 --no-history  # the same model without the history
 
 Rank 0 shows a progress bar, evaluates the AUC on held-out batches every ``--eval-every``
 steps, and at the end prints a summary and writes ``summary.json`` and ``training.png`` into
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
-from model import DLRM, file_tables, random_tables
+from model import DLRM, file_tables, random_sequence_tables, random_tables
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -47,7 +48,7 @@ from recsdk.pipeline import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from recsdk.sharding import HybridEmbeddingEnumerator, ShardedHashEmbeddingBagCollection, get_default_hybrid_sharders
+from recsdk.sharding import HostShardedModule, HybridEmbeddingEnumerator, get_default_hybrid_sharders
 
 EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse tables (step 5)
 DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
@@ -92,6 +93,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=_int_at_least(1), default=8, help="held-out batches per rank")
     parser.add_argument("--data", choices=DATA_KINDS, default="random", help="the dataset")
     parser.add_argument("--data-path", default=None, help="a file or folder, for --data criteo and parquet")
+    parser.add_argument(
+        "--no-history", action="store_true", help="random data: leave out the history feature and its attention"
+    )
     parser.add_argument("--num-workers", type=_int_at_least(0), default=0, help="DataLoader workers per rank")
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
     parser.add_argument("--timeout-s", type=_int_at_least(10), default=120, help="process group timeout")
@@ -102,6 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if torchrun_world is not None and args.world_size not in (None, int(torchrun_world)):
         parser.error(f"--world-size {args.world_size} differs from torchrun's WORLD_SIZE {torchrun_world}")
     args.world_size = int(torchrun_world) if torchrun_world is not None else (args.world_size or 1)
+    if args.no_history and args.data != "random":
+        parser.error(f"--no-history is only for --data random (the {args.data} data has no history feature)")
     try:
         args.files = data_files(args.data, args.data_path)
         if args.data == "parquet":
@@ -157,6 +163,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         world_size=world_size,
         num_workers=args.num_workers,
         seed=args.seed,
+        history=not args.no_history,
     )
 
     # 3. Process groups: the device group (gloo / nccl / hccl) and the host group for the id work (gloo).
@@ -171,13 +178,20 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         host_gp = dist.new_group(backend="gloo", timeout=timeout)
         host_env = ShardingEnv(world_size=world_size, rank=rank, pg=host_gp)
 
-        # 4. The model: a HashEmbeddingBagCollection for the ids, MLPs for the rest (model.py).
-        #    On "meta", DistributedModelParallel allocates only this rank's shards of the tables.
-        tables = random_tables() if args.data == "random" else file_tables(data.features)
-        model = DLRM(tables, num_dense=data.num_dense, device=torch.device("meta"))
+        # 4. The model: a HashEmbeddingBagCollection for the ids, on random data also a
+        #    HashEmbeddingCollection for the candidate and history items, MLPs and a target
+        #    attention for the rest (model.py). On "meta", DistributedModelParallel allocates
+        #    only this rank's shards of the tables.
+        if args.data == "random":
+            tables, sequence_tables = random_tables(), random_sequence_tables(history=not args.no_history)
+        else:
+            tables, sequence_tables = file_tables(data.features), []
+        model = DLRM(tables, data.num_dense, torch.device("meta"), sequence_tables=sequence_tables)
 
         # 5. The sparse optimizer: fused into the backward pass of the embedding tables.
-        apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), optimizer_kwargs=EMBEDDING_OPTIMIZER)
+        sparse_modules = [m for m in (model.ebc, model.ec) if m is not None]
+        for module in sparse_modules:
+            apply_optimizer_in_backward(torch.optim.Adagrad, module.parameters(), optimizer_kwargs=EMBEDDING_OPTIMIZER)
 
         # 6. Sharding: hybrid sharders, a plan from TorchRec's planner, DistributedModelParallel.
         sharders = get_default_hybrid_sharders(host_env=host_env)
@@ -185,7 +199,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
             t.name: ParameterConstraints(
                 sharding_types=["row_wise" if t.num_embeddings >= ROW_WISE_FROM else "table_wise"]
             )
-            for t in tables
+            for t in [*tables, *sequence_tables]
         }
         topology = Topology(world_size=world_size, compute_device="cpu" if device.type == "cpu" else "cuda")
         planner = EmbeddingShardingPlanner(
@@ -212,10 +226,13 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
                 _print_header(args, world_size, device, ddp_model)
             # 9. Training with the pipeline (and evaluating with it, in eval mode).
             history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp)
+            history["host_staged"], history["inline"] = pipeline.host_staged_modules, pipeline.inline_modules
         finally:
             pipeline.close()
-        # ddp_model.module is our DLRM, whose ebc is now a ShardedHashEmbeddingBagCollection.
-        stats = gather_table_stats(ddp_model.module.ebc, host_gp, [t.name for t in tables])
+        # ddp_model.module is our DLRM: its ebc is now a ShardedHashEmbeddingBagCollection, its ec
+        # (random data) a ShardedHashEmbeddingCollection.
+        sharded = {name: getattr(ddp_model.module, name) for name in ("ebc", "ec") if getattr(model, name) is not None}
+        stats = gather_table_stats(sharded, host_gp)
         losses = gather_losses(history["losses"], host_gp)
         if rank == 0:
             report(args, world_size, device, history, losses, stats, time.time() - args.started)
@@ -288,26 +305,31 @@ def evaluate(
 
 def best_possible_auc(data: DemoData, auroc: BinaryAUROC) -> float | None:
     """The held-out AUC of the true click probabilities, where the data knows them (synthetic data)."""
-    if data.teacher is None:
+    if data.held_out_probabilities is None:
         return None
-    for batch in data.held_out:
-        auroc.update(data.teacher(batch).float(), batch.labels.long())
+    for batch, probabilities in zip(data.held_out, data.held_out_probabilities, strict=True):
+        auroc.update(probabilities.float(), batch.labels.long())
     value = float(auroc.compute())
     auroc.reset()
     return value
 
 
-def gather_table_stats(
-    sebc: ShardedHashEmbeddingBagCollection, group: dist.ProcessGroup, tables: list[str]
-) -> dict[str, dict[str, Any]]:
-    """Each table's id-table statistics, summed over the ranks' shards."""
+def gather_table_stats(modules: dict[str, HostShardedModule], group: dist.ProcessGroup) -> dict[str, dict[str, Any]]:
+    """Each table's id-table statistics, summed over the ranks' shards, with its module's name.
+
+    ``modules``: the sharded collections by name (table names are distinct over all of them).
+    """
     per_rank: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(per_rank, sebc.stats(), group=group)
-    totals: dict[str, dict[str, Any]] = {table: dict.fromkeys(STAT_KEYS, 0) for table in tables}
+    dist.all_gather_object(per_rank, {name: m.stats() for name, m in modules.items()}, group=group)
+    totals: dict[str, dict[str, Any]] = {}
+    for name, module in modules.items():
+        for table in module.module_sharding_plan:
+            totals[table] = {"module": name, **dict.fromkeys(STAT_KEYS, 0)}
     for stats in per_rank:
-        for table, s in stats.items():
-            for key in STAT_KEYS:
-                totals[table][key] += int(s[key])
+        for module_stats in stats.values():
+            for table, s in module_stats.items():
+                for key in STAT_KEYS:
+                    totals[table][key] += int(s[key])
     for total in totals.values():
         total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
     return totals
@@ -324,13 +346,15 @@ def gather_losses(losses: list[float], group: dist.ProcessGroup) -> list[float]:
 
 
 def _print_header(args: argparse.Namespace, world_size: int, device: torch.device, model: Any) -> None:
-    print(f"little demo: {world_size} rank(s) on {device.type} ({backend_for(device)}), {args.data} data, ", end="")
+    data = args.data if args.data != "random" else f"random data {'without' if args.no_history else 'with'} history"
+    print(f"little demo: {world_size} rank(s) on {device.type} ({backend_for(device)}), {data}, ", end="")
     print(f"{args.steps} steps of {args.batch_size} samples per rank")
     groups: dict[str, list[str]] = {}
-    for name, p in model.plan.plan["ebc"].items():
-        ranks = p.ranks or []
-        where = f"{p.sharding_type} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        groups.setdefault(where, []).append(name)
+    for module in ("ebc", "ec"):
+        for name, p in model.plan.plan.get(module, {}).items():
+            ranks = p.ranks or []
+            where = f"{p.sharding_type} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            groups.setdefault(where, []).append(name)
     for where, names in groups.items():
         listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} tables, {names[0]} .. {names[-1]}"
         print(f"plan: {where}: {listed}")
@@ -352,6 +376,7 @@ def report(
         "world_size": world_size,
         "device": device.type,
         "data": args.data,
+        "history": args.data == "random" and not args.no_history,
         "steps": args.steps,
         "batch_size_per_rank": args.batch_size,
         "samples_per_s": round(history["samples_per_s"], 1),
@@ -361,6 +386,8 @@ def report(
         "eval_auc": history["evals"][-1][1],
         "best_possible_auc": history["best_auc"],
         "eval_history": [{"step": s, "auc": a} for s, a in history["evals"]],
+        "host_staged_modules": history["host_staged"],
+        "inline_modules": history["inline"],
         "tables": stats,
     }
     out = Path(args.out)
@@ -380,12 +407,16 @@ def report(
     for label, value in lines:
         print(f"{label:<28}{value:>12}")
     print()
-    row = "{:<12}{:>24}{:>10}{:>11}{:>19}{:>10}"
-    print(row.format("table", "ids stored / capacity", "inserts", "evictions", "admission rejects", "hit rate"))
+    row = "{:<12}{:<8}{:>22}{:>10}{:>11}{:>19}{:>10}"
+    header = ("table", "module", "ids stored / capacity", "inserts", "evictions", "admission rejects", "hit rate")
+    print(row.format(*header))
     for name, s in stats.items():
         stored = f"{s['size']:,} / {s['capacity']:,}"
         counts = [f"{s[key]:,}" for key in ("inserts", "evictions", "admission_rejects")]
-        print(row.format(name, stored, *counts, f"{s['hit_rate']:.3f}"))
+        print(row.format(name, s["module"], stored, *counts, f"{s['hit_rate']:.3f}"))
+    print(f"\nhost stage run ahead by the pipeline for: {', '.join(history['host_staged']) or 'none'}")
+    if history["inline"]:
+        print(f"run inline (not pipelined): {', '.join(history['inline'])}")
     print(f"\nwrote {out / 'summary.json'} and {out / 'training.png'}", flush=True)
 
 
