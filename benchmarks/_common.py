@@ -2,20 +2,23 @@
 
 ``sharded_training.py`` and ``pipeline.py`` train the same kind of model: a bottom MLP on the
 dense features, one embedding table per sparse feature, a top MLP on both. This module builds it
-once:
+once (``sequence.py`` trains a sequence model of its own and shares the rest):
 
 - :class:`DLRM` and :func:`table_configs` / :func:`embedding_collection` (recsdk's
   ``HashEmbeddingBagCollection`` on raw ids, or TorchRec's ``EmbeddingBagCollection``);
-- :func:`shard`: Adagrad fused into the tables' backward, TorchRec's plan over the world,
+- :func:`shard` (any model, ``sequence.py``'s too): Adagrad fused into the tables' backward,
+  TorchRec's planner (optionally with recsdk's ``HybridEmbeddingEnumerator``) over the world,
   ``DistributedModelParallel`` on CPU, dense Adagrad, both in one ``CombinedOptimizer``;
 - :func:`random_batches` and :func:`remap_ids`: the synthetic batches of raw ids, and the same
-  ids remapped offline to ``0..N-1`` per feature, what TorchRec's baselines are fed.
+  ids remapped offline to ``0..N-1`` per feature (or per table shared by several features),
+  what TorchRec's baselines are fed.
 
 Not a benchmark itself (``nox -s bench`` runs only the scripts not starting with ``_``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -34,6 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch, RandomRecDataset
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.sharding import HybridEmbeddingEnumerator
 
 __all__ = [
     "DLRM",
@@ -141,29 +145,51 @@ def host_env() -> ShardingEnv:
 
 
 def shard(
-    model: DLRM,
+    model: nn.Module,
     sharders: list[ModuleSharder[nn.Module]],
-    constraints: dict[str, ParameterConstraints],
+    constraints: dict[str, ParameterConstraints] | None,
     batch_size: int,
+    *,
+    embeddings: nn.Module | None = None,
+    enumerator: Literal["torchrec", "hybrid"] = "torchrec",
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """Shard ``model`` over the world on CPU and build its optimizer.
 
-    Adagrad (lr 0.05, eps 0.1) is fused into the backward of ``model.ebc``; TorchRec's planner
+    Adagrad (lr 0.05, eps 0.1) is fused into the backward of the embedding tables; the planner
     makes one plan for all ranks under ``constraints``; the dense parameters get Adagrad (lr
-    0.05); both optimizers are combined.
+    0.05); both optimizers are combined. ``dmp.plan`` is the plan it chose.
 
     Args:
-        model (DLRM): built on the meta device; its embedding tables are sharded.
+        model (nn.Module): built on the meta device; its embedding tables are sharded.
         sharders (list[ModuleSharder]): e.g. ``get_default_hybrid_sharders(host_env())``.
-        constraints (dict[str, ParameterConstraints]): table name -> the planner's constraints.
+        constraints (dict[str, ParameterConstraints] | None): table name -> the planner's
+            constraints; ``None``: the planner's own choice.
         batch_size (int): samples per rank and step, for the planner's estimates.
+        embeddings (nn.Module | None): the module holding the tables (its parameters get the
+            fused Adagrad); ``None``: ``model.ebc``, as in :class:`DLRM`.
+        enumerator (str): ``"torchrec"``: TorchRec's default ``EmbeddingShardingPlanner``;
+            ``"hybrid"``: the same planner with recsdk's ``HybridEmbeddingEnumerator`` (id table
+            storage counted, constraints checked against the sharders).
 
     Returns:
         tuple[DistributedModelParallel, CombinedOptimizer]: the sharded model and its optimizer.
     """
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), dict(SPARSE_OPTIMIZER))
+    tables = model.ebc if embeddings is None else embeddings
+    if not isinstance(tables, nn.Module):
+        raise TypeError(f"shard: the embeddings must be a module, got {type(tables).__name__}")
+    apply_optimizer_in_backward(torch.optim.Adagrad, tables.parameters(), dict(SPARSE_OPTIMIZER))
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
-    planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    if enumerator == "hybrid":
+        planner = EmbeddingShardingPlanner(
+            topology=topology,
+            batch_size=batch_size,
+            constraints=constraints,
+            enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints),
+        )
+    elif enumerator == "torchrec":
+        planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
+    else:
+        raise ValueError(f"shard: enumerator must be 'torchrec' or 'hybrid', got {enumerator!r}")
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(
@@ -198,23 +224,29 @@ def random_batches(
     return list(dataset)
 
 
-def remap_ids(per_rank: list[list[Batch]], features: list[str]) -> list[list[Batch]]:
-    """Every rank's batches with each feature's ids remapped offline to ``0..N-1``.
+def remap_ids(per_rank: list[list[Batch]], features: Sequence[str] | Mapping[str, Sequence[str]]) -> list[list[Batch]]:
+    """Every rank's batches with each table's ids remapped offline to ``0..N-1``.
 
-    The map of a feature is over all ranks' batches (the sorted distinct ids), as an offline
-    remapping job would make it: TorchRec's ``EmbeddingBagCollection`` baselines train on these.
+    The map of a table is over all ranks' batches (the sorted distinct ids of its features), as
+    an offline remapping job would make it: TorchRec's ``EmbeddingBagCollection`` and
+    ``EmbeddingCollection`` baselines train on these.
 
     Args:
         per_rank (list[list[Batch]]): rank -> its batches of raw ids.
-        features (list[str]): the sparse features to remap (all of the KJTs' keys).
+        features (Sequence[str] | Mapping[str, Sequence[str]]): the sparse features to remap
+            (all of the KJTs' keys), each with a map of its own; or table name -> its features,
+            one map per table that all its features share (e.g. a history and a candidate
+            feature over one item table: the same id gets the same row in both).
 
     Returns:
         list[list[Batch]]: the same batches, with the same dense features, lengths and labels.
     """
-    uniques = {
-        f: torch.unique(torch.cat([b.sparse_features[f].values() for batches in per_rank for b in batches]))
-        for f in features
-    }
+    groups = list(features.values()) if isinstance(features, Mapping) else [[f] for f in features]
+    uniques: dict[str, torch.Tensor] = {}
+    for group in groups:
+        ids = [b.sparse_features[f].values() for batches in per_rank for b in batches for f in group]
+        unique = torch.unique(torch.cat(ids))
+        uniques.update(dict.fromkeys(group, unique))
     out = []
     for batches in per_rank:
         mapped = []
