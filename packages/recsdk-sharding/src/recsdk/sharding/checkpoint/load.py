@@ -59,12 +59,13 @@ def load_checkpoint(
     or the optimizer changes unless the whole load succeeds on every rank:
 
     1. The checkpoint is checked before anything is read: every file the manifest lists must
-       exist with its recorded size, and with ``verify`` its CRC-32 must match (the ranks share
-       the files); then the checkpoint is compared with the model (hash modules and tables,
-       embedding dims, weight and optimizer state layouts, dense keys and shapes, the
-       optimizer's parameters), listing every difference.
-    2. Every rank reads its part into staging buffers (not into the model) and validates what
-       it read (id-table states, pickled objects).
+       exist with its recorded size (and DCP's ``.metadata`` match its CRC-32 with ``verify``);
+       then the checkpoint is compared with the model (hash modules and tables, embedding dims,
+       weight and optimizer state layouts, dense keys and shapes, the optimizer's parameters),
+       listing every difference.
+    2. Every rank reads its part into staging buffers (not into the model); with ``verify``, the
+       ranks check the data files' CRC-32 meanwhile (each rank a share, on a thread). Then every
+       rank validates what it read (id-table states, routed ids, pickled objects).
     3. Only when every rank has done so without error, every rank commits its part.
 
     A failure on any rank at any step raises on every rank, at that step.
@@ -91,8 +92,8 @@ def load_checkpoint(
         optimizer (KeyedOptimizer | None): the optimizer built as for training; None loads the
             model only (hash tables keep their fused optimizer state, which is part of them).
         path (str | os.PathLike): a checkpoint directory.
-        verify (bool): check every file's CRC-32 before reading (reads each byte once more; the
-            sizes are always checked). Checkpoints written before recsdk recorded their files
+        verify (bool): check every file's CRC-32 before committing (reads each byte once more;
+            the sizes are always checked). Checkpoints written before recsdk recorded their files
             (manifest version 1) are loaded without either check.
 
     Returns:
