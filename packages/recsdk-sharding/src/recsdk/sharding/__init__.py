@@ -6,7 +6,13 @@ fused kernels and the pooled output dist over the default group.
 """
 
 from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
-from recsdk.sharding.checkpoint import CHECKPOINT_MANIFEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from recsdk.sharding.checkpoint import (
+    CHECKPOINT_MANIFEST,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
@@ -44,6 +50,7 @@ __all__ = [
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
+    "CheckpointError",
     "FailureAgreement",
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
