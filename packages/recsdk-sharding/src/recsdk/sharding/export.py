@@ -6,8 +6,8 @@ Layout of an export directory::
     <path>/<table>/part-<rank>-of-<world>.parquet # one file per rank holding a shard of the table
 
 Each file has two columns, ``id`` (int64, ascending) and ``embedding``
-(``fixed_size_list<float32>[embedding_dim]``), and the table name and dim in its schema
-metadata. Every id of a table appears in exactly one file. The directory is published
+(``fixed_size_list<float32>[embedding_dim]``, or ``<float16>`` for a table stored in fp16: the
+table's dtype is kept), and the table name and dim in its schema metadata. Every id of a table appears in exactly one file. The directory is published
 atomically like a checkpoint (written under ``.<name>.partial-<token>``, renamed at the end;
 removed if a write fails on any rank).
 """
@@ -177,7 +177,9 @@ def _write_parts(
     for name, ids, emb in pieces:
         order = torch.argsort(ids)
         ids_np = ids[order].cpu().numpy()
-        emb_np = emb[order].detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+        # The table's own dtype where Parquet has it (fp32, fp16); others (bf16) as fp32.
+        dtype = emb.dtype if emb.dtype in (torch.float32, torch.float16) else torch.float32
+        emb_np = emb[order].detach().to(device="cpu", dtype=dtype).contiguous().numpy()
         dim = dims[name]
         embedding = pa.FixedSizeListArray.from_arrays(pa.array(emb_np.reshape(-1)), dim)
         arrow = pa.table({"id": pa.array(ids_np, type=pa.int64()), "embedding": embedding})
