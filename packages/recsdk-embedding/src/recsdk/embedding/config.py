@@ -7,7 +7,7 @@ from typing import TypeAlias
 
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 
-from recsdk.embedding.id_table import _MAX_CAPACITY
+from recsdk.embedding.id_table_state import _MAX_CAPACITY
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, check_policies
 
 __all__ = ["HashEmbeddingBagConfig", "HashEmbeddingConfig", "HashTableConfig"]

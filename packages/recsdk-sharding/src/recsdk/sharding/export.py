@@ -7,9 +7,9 @@ Layout of an export directory::
 
 Each file has two columns, ``id`` (int64, ascending) and ``embedding``
 (``fixed_size_list<float32>[embedding_dim]``, or ``<float16>`` for a table stored in fp16: the
-table's dtype is kept), and the table name and dim in its schema metadata. Every id of a table appears in exactly one file. The directory is published
-atomically like a checkpoint (written under ``.<name>.partial-<token>``, renamed at the end;
-removed if a write fails on any rank).
+table's dtype is kept), and the table name and dim in its schema metadata. Every id of a table
+appears in exactly one file. The directory is published atomically like a checkpoint (written
+under ``.<name>.partial-<token>``, renamed at the end; removed if a write fails on any rank).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizer
 
+from recsdk.embedding import IdTable
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.checkpoint import files, optimizer_state, storage
 from recsdk.sharding.checkpoint.comm import Comm
@@ -32,18 +33,8 @@ __all__ = ["load_checkpoint"]
 
 _DCP_METADATA = ".metadata"
 
-_TABLE_KEYS = (
-    "ids",
-    "rows",
-    "last_step",
-    "freq",
-    "free_rows",
-    "retired_rows",
-    "reassigned_rows",
-    "admission_counters",
-    "step",
-    "stats",
-)
+# A shard's id-table state as saved (the capacity is the model's own, not read back).
+_TABLE_KEYS = tuple(k for k in IdTable.STATE_KEYS if k != "capacity")
 
 
 def load_checkpoint(

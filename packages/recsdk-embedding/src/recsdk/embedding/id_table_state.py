@@ -1,0 +1,290 @@
+"""``IdTableState``: the state format of :class:`~recsdk.embedding.IdTable`, in one place.
+
+What a table's state is as tensors (:meth:`IdTableState.state_dict`), how a state is checked
+and restored (:meth:`~IdTableState.check_state_dict`, :meth:`~IdTableState.load_state_dict`),
+and how a table is rebuilt from ids and their metadata gathered elsewhere
+(:meth:`~IdTableState.rebuild`, e.g. by a checkpoint loaded on another world size). A mixin of
+``IdTable``: it reads the table's own arrays; nothing outside the table does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from recsdk.embedding.count_sketch import CountMinSketch
+    from recsdk.embedding.policies import CountAdmission
+
+__all__ = ["IdTableState"]
+
+_NEVER_USED = 0
+_OCCUPIED = 1
+_RETIRED = 2  # free again, but its embedding row holds a former id's values
+_MAX_CAPACITY = 2**31 - 2
+_INT32_MAX = 2**31 - 1
+_STAT_NAMES = ("inserts", "evictions", "admission_rejects", "lookups", "hits")
+_STATE_KEYS = (
+    "capacity",
+    "ids",
+    "rows",
+    "last_step",
+    "freq",
+    "free_rows",
+    "retired_rows",
+    "reassigned_rows",
+    "admission_counters",
+    "step",
+    "stats",
+)
+
+
+class IdTableState:
+    """The state format of an :class:`~recsdk.embedding.IdTable` (a mixin of it).
+
+    Attributes:
+        STATE_KEYS (tuple[str, ...]): the keys of :meth:`state_dict`.
+    """
+
+    STATE_KEYS: tuple[str, ...] = _STATE_KEYS
+
+    if TYPE_CHECKING:  # the table's arrays and helpers this mixin reads (defined by IdTable)
+        _name: str
+        _capacity: int
+        _device: torch.device
+        _sketch: CountMinSketch | None
+        _admission: CountAdmission | None
+        _last_step: torch.Tensor
+        _freq: torch.Tensor
+        _free: torch.Tensor
+        _free_top: int
+        _row_state: torch.Tensor
+        _reassigned: list[torch.Tensor]
+        _reassigned_count: int
+        _step: int
+        _stats: dict[str, int]
+
+        def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+        def num_pinned(self) -> int: ...
+        def _check_usable(self) -> None: ...
+        def _allocate(self) -> None: ...
+        def _as_ids(self, ids: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Size]: ...
+        def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None: ...
+        def _pending_rows(self) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The table's full state as tensors (pins are runtime state and are not included).
+
+        Keys: ``capacity``, ``step`` (scalars); ``ids``, ``rows``, ``last_step``, ``freq`` (one entry
+        per stored id, ascending rows); ``free_rows`` (the free-row stack, bottom to top);
+        ``retired_rows`` (free rows whose embedding holds a former id); ``reassigned_rows`` (not yet
+        taken by :meth:`take_reassigned_rows`); ``admission_counters`` (empty without a sketch);
+        ``stats`` (int64 ``[5]``: inserts, evictions, admission_rejects, lookups, hits).
+        """
+        self._check_usable()
+        ids, rows = self.ids_and_rows()
+        counters = (
+            self._sketch.counters.clone()
+            if self._sketch is not None
+            else torch.zeros(0, dtype=torch.int32, device=self._device)
+        )
+        return {
+            "capacity": torch.tensor(self._capacity, dtype=torch.int64),
+            "ids": ids,
+            "rows": rows,
+            "last_step": self._last_step[rows].clone(),
+            "freq": self._freq[rows].clone(),
+            "free_rows": self._free[: self._free_top].long(),
+            "retired_rows": (self._row_state == _RETIRED).nonzero().squeeze(1),
+            "reassigned_rows": self._pending_rows(),
+            "admission_counters": counters,
+            "step": torch.tensor(self._step, dtype=torch.int64),
+            "stats": torch.tensor([self._stats[k] for k in _STAT_NAMES], dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore a state from :meth:`state_dict` of a table with the same capacity.
+
+        The slot layout is rebuilt from the ids. The state is validated first (as by
+        :meth:`check_state_dict`); on error the table is left unchanged.
+
+        Raises:
+            ValueError: missing keys, another capacity, inconsistent ids/rows, or counters of another size.
+            RuntimeError: some rows of this table are pinned.
+        """
+        sd = self._checked_state(state_dict)
+        if self.num_pinned():
+            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
+        self._allocate()
+        self._free_top = sd["free_rows"].numel()
+        self._free[: self._free_top] = sd["free_rows"].to(torch.int32)
+        self._row_state[sd["retired_rows"]] = _RETIRED
+        rows = sd["rows"]
+        self._place(sd["ids"], rows, step=0)
+        self._last_step[rows] = sd["last_step"].to(torch.int32)
+        self._freq[rows] = sd["freq"].to(torch.int32)
+        if self._sketch is not None:
+            self._sketch.counters.copy_(sd["admission_counters"].to(torch.int32))
+        reassigned = sd["reassigned_rows"]
+        if reassigned.numel():
+            self._reassigned = [reassigned]
+            self._reassigned_count = reassigned.numel()
+        self._step = int(sd["step"])
+        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
+
+    def check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
+
+        Lets a caller that restores several tables (and their embeddings) validate every state
+        before it modifies any of them.
+
+        Args:
+            state_dict (dict[str, torch.Tensor]): a state from :meth:`state_dict`.
+
+        Raises:
+            ValueError: as :meth:`load_state_dict` (pins are not checked here).
+        """
+        self._checked_state(state_dict)
+
+    def rebuild(
+        self,
+        ids: torch.Tensor,
+        *,
+        last_step: torch.Tensor,
+        freq: torch.Tensor,
+        step: int,
+        admission_counters: torch.Tensor | None = None,
+    ) -> None:
+        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
+
+        For rebuilding a table from ids and their metadata gathered elsewhere (e.g. a
+        checkpoint loaded on another world size): id ``ids[i]`` gets row ``i`` with its
+        ``last_step`` and ``freq``. The other rows are free, handed out in ascending order, and
+        each is reported by :meth:`take_reassigned_rows` when handed to an id (its embedding row
+        may hold another model's values, so the caller re-initialises it). The step clock is set
+        to ``step``, the admission counters to ``admission_counters``, and the statistics start
+        from zero. On error the table is left unchanged.
+
+        Args:
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, ``n <= capacity``.
+            last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
+            freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
+            step (int): the step clock, ``>= 0``.
+            admission_counters (torch.Tensor | None): the count-min sketch's counters (as in
+                :meth:`state_dict`); None or empty for a table without a sketch, and None resets
+                a sketch to zero.
+
+        Raises:
+            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size
+                or out of range.
+            RuntimeError: some rows of this table are pinned.
+
+        Example::
+
+            table = IdTable(8, eviction=LRUEviction())
+            table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
+            table.find(torch.tensor([7, 42]))  # tensor([1, 0])
+        """
+        flat, _ = self._as_ids(ids, "rebuild")
+        n, cap = flat.numel(), self._capacity
+        where = f"IdTable '{self._name}'.rebuild"
+        if n > cap:
+            raise ValueError(f"{where}: {n} ids do not fit the table's capacity {cap}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _INT32_MAX:
+            raise ValueError(f"{where}: step must be an int in [0, {_INT32_MAX}], got {step!r}")
+        meta = {}
+        for key, value in (("last_step", last_step), ("freq", freq)):
+            value = torch.as_tensor(value).reshape(-1).to(self._device)
+            if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
+                raise ValueError(f"{where}: {key} must be {n} integers (one per id), got {value.numel()} {value.dtype}")
+            if n and bool(((value < 0) | (value > _INT32_MAX)).any()):
+                raise ValueError(f"{where}: {key} must be in [0, {_INT32_MAX}]")
+            meta[key] = value.long()
+        if n and flat.unique().numel() != n:
+            raise ValueError(f"{where}: ids must be distinct")
+        have = self._sketch.counters.numel() if self._sketch is not None else 0
+        if admission_counters is None:
+            counters = torch.zeros(have, dtype=torch.int32, device=self._device)
+        else:
+            counters = torch.as_tensor(admission_counters).reshape(-1)
+            if counters.numel() != have:
+                raise ValueError(
+                    f"{where}: {counters.numel()} admission counters given, this table's admission policy "
+                    f"{self._admission} has {have}"
+                )
+        dev = self._device
+        self.load_state_dict(
+            {
+                "capacity": torch.tensor(cap, dtype=torch.int64),
+                "ids": flat,
+                "rows": torch.arange(n, dtype=torch.int64, device=dev),
+                "last_step": meta["last_step"],
+                "freq": meta["freq"],
+                "free_rows": torch.arange(cap - 1, n - 1, -1, dtype=torch.int64, device=dev),  # pops n, n+1, ...
+                "retired_rows": torch.arange(n, cap, dtype=torch.int64, device=dev),
+                "reassigned_rows": torch.zeros(0, dtype=torch.int64, device=dev),
+                "admission_counters": counters,
+                "step": torch.tensor(step, dtype=torch.int64),
+                "stats": torch.zeros(len(_STAT_NAMES), dtype=torch.int64),
+            }
+        )
+
+    def _checked_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Validate a :meth:`state_dict`; returns its tensors on the table's device, flattened."""
+        self._check_usable()
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"IdTable '{self._name}': state dict lacks keys {missing}")
+        sd = {k: torch.as_tensor(state_dict[k]).to(self._device) for k in _STATE_KEYS}
+        cap = int(sd["capacity"])
+        if cap != self._capacity:
+            raise ValueError(
+                f"IdTable '{self._name}': state dict is for capacity {cap}, this table has capacity {self._capacity}"
+            )
+        ids = sd["ids"].reshape(-1).long()
+        rows = sd["rows"].reshape(-1).long()
+        free = sd["free_rows"].reshape(-1).long()
+        n = ids.numel()
+        for key in ("rows", "last_step", "freq"):
+            if sd[key].numel() != n:
+                raise ValueError(f"IdTable '{self._name}': state dict has {n} ids but {sd[key].numel()} {key}")
+        every = torch.cat([rows, free])
+        in_range = every.numel() == self._capacity and bool(((every >= 0) & (every < self._capacity)).all())
+        seen = torch.zeros(self._capacity, dtype=torch.bool, device=self._device)
+        if in_range:
+            seen[every] = True  # capacity entries covering every row: each row exactly once
+        if not in_range or not bool(seen.all()):
+            raise ValueError(
+                f"IdTable '{self._name}': state dict rows and free_rows must together hold each row "
+                f"of [0, {self._capacity}) exactly once"
+            )
+        if ids.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': state dict ids are not distinct")
+        counters = sd["admission_counters"].reshape(-1)
+        have = self._sketch.counters.numel() if self._sketch is not None else 0
+        if counters.numel() != have:
+            raise ValueError(
+                f"IdTable '{self._name}': state dict has {counters.numel()} admission counters, this table's "
+                f"admission policy {self._admission} has {have}"
+            )
+        stats = sd["stats"].reshape(-1)
+        if stats.numel() != len(_STAT_NAMES):
+            raise ValueError(f"IdTable '{self._name}': state dict stats must have {len(_STAT_NAMES)} entries")
+        retired = sd["retired_rows"].reshape(-1).long()
+        reassigned = sd["reassigned_rows"].reshape(-1).long()
+        for key, value in (("retired_rows", retired), ("reassigned_rows", reassigned)):
+            if value.numel() and bool(((value < 0) | (value >= self._capacity)).any()):
+                raise ValueError(f"IdTable '{self._name}': state dict {key} out of [0, {self._capacity})")
+        return {
+            "ids": ids,
+            "rows": rows,
+            "last_step": sd["last_step"].reshape(-1),
+            "freq": sd["freq"].reshape(-1),
+            "free_rows": free,
+            "retired_rows": retired,
+            "reassigned_rows": reassigned,
+            "admission_counters": counters,
+            "step": sd["step"],
+            "stats": stats,
+        }
