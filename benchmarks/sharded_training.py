@@ -1,9 +1,16 @@
-"""Sharded training throughput: HashEBC (raw ids, hybrid row-wise) vs TorchRec EBC (pre-remapped ids).
+"""Sharded training throughput: HashEBC (raw ids, hybrid shardings) vs TorchRec EBC (pre-remapped ids).
 
 Two ranks on gloo, the same DLRM-style model and the same batches in the same run:
 
 - ``hash_rw``: ``HashEmbeddingBagCollection`` on raw int64 ids, hybrid row-wise sharding (ids
   bucketed by owner and exchanged over the host group, mapped by each shard's id table).
+- ``hash_tw``: the same, table-wise (every id of a table goes to the table's rank).
+- ``hash_pick``: the same model as the planner shards it with no sharding constraint, with
+  recsdk's ``HybridEmbeddingEnumerator`` (its cost model) and ``HybridPerfModel``; given the
+  workload's pooling factor, as ``torchrec_pick``. Where the plan is one of the layouts above
+  (same sharding type and ranks per table) that measurement is the pick's, and the line says so.
+- ``torchrec_pick``: TorchRec's planner (its own enumerator and estimator) with no sharding
+  constraint on the remapped model, likewise.
 - ``torchrec_tw``: TorchRec's ``EmbeddingBagCollection`` on the same ids remapped offline to
   ``0..N-1``, table-wise sharding (TorchRec's CPU default).
 - ``torchrec_rw``: the same, row-wise (recsdk's sharder allows it on CPU, with the same
@@ -15,9 +22,11 @@ Two ranks on gloo, the same DLRM-style model and the same batches in the same ru
 
 Measurements alternate between the variants (``--rounds``); samples/s are medians over rounds and
 ratios are medians of the per-round ratios. One JSON line per measurement; the ratio line compares
-``hash_rw`` to ``torchrec_tw`` (target >= 0.9).
+``hash_rw`` to ``torchrec_tw`` (target >= 0.9). The planner lines give each pick's plan, the hash
+pick's ratio to the best measured hash layout (the one with the highest median; target 1.0 within
+noise) and to ``torchrec_pick`` (target >= 1.0).
 
-    python benchmarks/sharded_training.py [--batch-size 1024] [--steps 40] [--rounds 7]
+    python benchmarks/sharded_training.py [--batch-size 1024] [--steps 40] [--rounds 7] [--tables 4]
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _common import (
+    DENSE_LR,
     DLRM,
+    SPARSE_OPTIMIZER,
     embedding_collection,
     feature_names,
     host_env,
@@ -44,13 +55,21 @@ from _common import (
     table_configs,
 )
 from torch import nn
-from torchrec.distributed.planner import ParameterConstraints
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
-from recsdk.sharding import get_default_hybrid_sharders
+from recsdk.sharding import HybridEmbeddingEnumerator, HybridPerfModel, get_default_hybrid_sharders
+
+LAYOUTS = {"hash_rw": ("hash", "row_wise"), "hash_tw": ("hash", "table_wise")}
+LAYOUTS |= {"torchrec_tw": ("torchrec", "table_wise"), "torchrec_rw": ("torchrec", "row_wise")}
+PICKS = {"hash_pick": "hash", "torchrec_pick": "torchrec"}
 
 
 def _datasets(args: argparse.Namespace, world_size: int) -> list[list[Batch]]:
@@ -68,20 +87,68 @@ def _datasets(args: argparse.Namespace, world_size: int) -> list[list[Batch]]:
     ]
 
 
-def _build(variant: str, args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
+def _model(kind: str, args: argparse.Namespace) -> tuple[DLRM, list[EmbeddingBagConfig]]:
     torch.manual_seed(0)
     features = feature_names(args.tables)
-    if variant == "hash_rw":
-        configs = table_configs("hash", features, args.dim, rows=2 * args.id_range)
-        sharding = "row_wise"
-    elif variant in ("torchrec_tw", "torchrec_rw"):
-        configs = table_configs("torchrec", features, args.dim, rows=args.id_range)
-        sharding = "table_wise" if variant == "torchrec_tw" else "row_wise"
-    else:
+    rows = 2 * args.id_range if kind == "hash" else args.id_range
+    configs = table_configs(kind, features, args.dim, rows=rows)  # type: ignore[arg-type]
+    return DLRM(embedding_collection(configs), features, args.dim), configs
+
+
+def _build(variant: str, args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
+    if variant not in LAYOUTS:
         raise ValueError(variant)
-    model = DLRM(embedding_collection(configs), features, args.dim)
+    kind, sharding = LAYOUTS[variant]
+    model, configs = _model(kind, args)
     constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in configs}
     return shard(model, get_default_hybrid_sharders(host_env=host), constraints, args.batch_size)
+
+
+def _plan_unconstrained(kind: str, args: argparse.Namespace, host: ShardingEnv, planner: str) -> ShardingPlan:
+    """The planner's plan with no sharding constraint (only the workload's pooling factor).
+
+    ``planner``: ``"recsdk"`` (``HybridEmbeddingEnumerator``, its cost model, and
+    ``HybridPerfModel``), ``"recsdk_enumerator"`` (the enumerator alone, with TorchRec's perf
+    model) or ``"torchrec"`` (TorchRec's enumerator, estimator and perf model).
+    """
+    model, configs = _model(kind, args)
+    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
+    constraints = {c.name: ParameterConstraints(pooling_factors=[args.pooling]) for c in configs}
+    extra: dict[str, Any] = {}
+    if planner.startswith("recsdk"):
+        extra["enumerator"] = HybridEmbeddingEnumerator(
+            topology=topology, batch_size=args.batch_size, constraints=constraints
+        )
+    if planner == "recsdk":
+        extra["performance_model"] = HybridPerfModel(topology)
+    sharding_planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=args.batch_size, constraints=constraints, **extra
+    )
+    return sharding_planner.collective_plan(model, get_default_hybrid_sharders(host_env=host), dist.GroupMember.WORLD)
+
+
+def _shard_with_plan(
+    kind: str, args: argparse.Namespace, host: ShardingEnv, plan: ShardingPlan
+) -> tuple[nn.Module, Any]:
+    """As ``_common.shard``, with a given plan."""
+    model, _ = _model(kind, args)
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), dict(SPARSE_OPTIMIZER))
+    sharders = get_default_hybrid_sharders(host_env=host)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=DENSE_LR),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _layout(plan: ShardingPlan) -> dict[str, str]:
+    """Table -> ``"<sharding_type>@<ranks>"`` of the embedding module's plan."""
+    return {
+        name: f"{ps.sharding_type}@{','.join(map(str, ps.ranks or []))}"
+        for module_plan in plan.plan.values()
+        for name, ps in module_plan.items()  # type: ignore[attr-defined]
+    }
 
 
 def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
@@ -143,18 +210,34 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     host = host_env()
     raw = _datasets(args, world_size)
     remapped = remap_ids(raw, feature_names(args.tables))
-    runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {
-        "hash_rw": (*_build("hash_rw", args, host), raw[rank]),
-        "torchrec_tw": (*_build("torchrec_tw", args, host), remapped[rank]),
-        "torchrec_rw": (*_build("torchrec_rw", args, host), remapped[rank]),
-    }
+    data = {"hash": raw[rank], "torchrec": remapped[rank]}
+    runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {}
+    layouts: dict[str, dict[str, str]] = {}
+    for name in ("hash_rw", "hash_tw", "torchrec_tw", "torchrec_rw"):
+        model, optimizer = _build(name, args, host)
+        runs[name] = (model, optimizer, data[LAYOUTS[name][0]])
+        layouts[name] = _layout(model.plan)
+    picks: dict[str, dict[str, Any]] = {}
+    for name, kind in PICKS.items():
+        plan = _plan_unconstrained(kind, args, host, "recsdk" if kind == "hash" else "torchrec")
+        layout = _layout(plan)
+        same = next((n for n, v in layouts.items() if LAYOUTS[n][0] == kind and v == layout), None)
+        picks[name] = {"plan": layout, "same_as": same}
+        if kind == "hash":  # what recsdk's enumerator alone picks (TorchRec's NoopPerfModel)
+            alone = _layout(_plan_unconstrained(kind, args, host, "recsdk_enumerator"))
+            picks[name]["enumerator_only_plan_same"] = alone == layout
+        if same is None:
+            runs[name] = (*_shard_with_plan(kind, args, host, plan), data[kind])
     if args.with_mch:
         runs["torchrec_mch"] = (*_build_mch(args, host), raw[rank])
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
             results[name].append(_time(model, optimizer, batches, args.warmup))
-    return {"results": results}
+    for name, pick in picks.items():
+        if pick["same_as"] is not None:
+            results[name] = results[pick["same_as"]]
+    return {"results": results, "picks": picks}
 
 
 def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -197,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         "dim": args.dim,
     }
     results = out["results"]
-    medians = {name: statistics.median(v) for name, v in results.items()}
+    picks = out["picks"]
+    medians = {name: statistics.median(v) for name, v in results.items() if name not in picks}
 
     def ratio(a: str, b: str) -> float:
         # Median of the per-round ratios: the variants of one round ran back to back, so a
@@ -219,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     # What row-wise costs by itself (same sharding, no id work): separates the id work from
     # the row-wise layout (reduce-scatter of every rank's whole batch vs table-wise all-to-all).
     ratio_rw = ratio("hash_rw", "torchrec_rw")
-    print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_rw", "value": round(ratio_rw, 3)}))
+    print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_rw", "value": round(ratio_rw, 3), "target": 0.95}))
     layout = ratio("torchrec_rw", "torchrec_tw")
     print(json.dumps({**common, "metric": "ratio_torchrec_rw_vs_torchrec_tw", "value": round(layout, 3)}))
     if "torchrec_mch" in medians:
@@ -227,6 +311,40 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_mch", "value": round(ratio_mch, 3)}))
     else:
         print(json.dumps({**common, "variant": "torchrec_mch", "status": "does not run on CPU", "error": mch_error}))
+    planners = {
+        "hash_pick": "recsdk: HybridEmbeddingEnumerator + HybridPerfModel",
+        "torchrec_pick": "TorchRec: EmbeddingEnumerator + EmbeddingPerfEstimator",
+    }
+    for name, pick in picks.items():
+        line = {**common, "variant": name, "planner": planners[name], "plan": pick["plan"]}
+        if pick["same_as"] is not None:
+            line["measured_as"] = pick["same_as"]
+        if "enumerator_only_plan_same" in pick:
+            line["enumerator_only_plan_same"] = pick["enumerator_only_plan_same"]
+        print(json.dumps({**line, "samples_per_s": round(statistics.median(results[name]), 1)}))
+    measured = ["hash_rw", "hash_tw"] + (["hash_pick"] if picks["hash_pick"]["same_as"] is None else [])
+    best = max(measured, key=lambda n: statistics.median(results[n]))
+    print(
+        json.dumps(
+            {
+                **common,
+                "metric": "ratio_hash_pick_vs_best_hash_layout",
+                "best": best,
+                "value": round(ratio("hash_pick", best), 3),
+                "target": 1.0,
+            }
+        )
+    )
+    print(
+        json.dumps(
+            {
+                **common,
+                "metric": "ratio_hash_pick_vs_torchrec_pick",
+                "value": round(ratio("hash_pick", "torchrec_pick"), 3),
+                "target": 1.0,
+            }
+        )
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ from recsdk.sharding.checkpoint import (
     save_checkpoint,
 )
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
+from recsdk.sharding.cost_model import DEFAULT_COSTS, HybridCosts, HybridPerfEstimator, HybridPerfModel, ShardCost
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.input_dist import (
@@ -47,6 +48,7 @@ from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
+    "DEFAULT_COSTS",
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
@@ -63,14 +65,18 @@ __all__ = [
     "HostTwPooledEmbeddingSharding",
     "HostTwSequenceEmbeddingSharding",
     "HostTwSparseFeaturesDist",
+    "HybridCosts",
     "HybridEmbeddingBagCollectionSharder",
     "HybridEmbeddingEnumerator",
+    "HybridPerfEstimator",
+    "HybridPerfModel",
     "HybridShardedEmbeddingBagCollection",
     "IdTableStorageEstimator",
     "OwnerSequenceFeaturesDist",
     "OwnerSparseFeaturesDist",
     "PeerFailureError",
     "RowLedger",
+    "ShardCost",
     "ShardedHashEmbeddingBagCollection",
     "ShardedHashEmbeddingCollection",
     "TableViews",

@@ -1,12 +1,14 @@
-"""Planner glue: count the host id table in storage estimates, fail early on impossible constraints.
+"""Planner glue: recsdk's cost model and the host id tables in the estimates, early constraint checks.
 
 Use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
-:class:`HybridEmbeddingEnumerator`::
+:class:`HybridEmbeddingEnumerator` (and, for the fixed costs of a plan's sharding groups,
+:class:`~recsdk.sharding.cost_model.HybridPerfModel`)::
 
     planner = EmbeddingShardingPlanner(
         topology=topology,
         constraints=constraints,
         enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=B, constraints=constraints),
+        performance_model=HybridPerfModel(topology),
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
 """
@@ -16,12 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Topology
 from torchrec.distributed.types import ModuleSharder
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, slot_index
+from recsdk.sharding.cost_model import HybridPerfEstimator
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "id_table_bytes"]
 
@@ -72,8 +75,9 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
 class HybridEmbeddingEnumerator(EmbeddingEnumerator):
     """TorchRec's ``EmbeddingEnumerator`` for hybrid sharding.
 
-    - Estimates with ``EmbeddingPerfEstimator`` and :class:`IdTableStorageEstimator` (unless
-      ``estimator`` is given).
+    - Estimates with :class:`~recsdk.sharding.cost_model.HybridPerfEstimator` (recsdk's cost
+      model for hash tables, TorchRec's ``EmbeddingPerfEstimator`` for other tables) and
+      :class:`IdTableStorageEstimator` (unless ``estimator`` is given).
     - Checks ``ParameterConstraints`` against what each table's sharder supports on the
       topology's device before enumerating, and raises a ``ValueError`` naming the table,
       the constraint and the supported choices.
@@ -83,6 +87,8 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         batch_size (int): per-rank batch size.
         constraints (dict[str, ParameterConstraints] | None): per-table constraints.
         estimator: optional estimator(s), as TorchRec's enumerator takes.
+        host_overlap (float): for the default perf estimator: the share of the host id work the
+            training loop hides (see :class:`~recsdk.sharding.cost_model.HybridPerfEstimator`).
     """
 
     def __init__(
@@ -91,10 +97,12 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         batch_size: int,
         constraints: dict[str, ParameterConstraints] | None = None,
         estimator: object | None = None,
+        *,
+        host_overlap: float = 0.0,
     ) -> None:
         if estimator is None:
             estimator = [
-                EmbeddingPerfEstimator(topology=topology, constraints=constraints),
+                HybridPerfEstimator(topology=topology, constraints=constraints, host_overlap=host_overlap),
                 IdTableStorageEstimator(topology=topology, constraints=constraints),
             ]
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)  # type: ignore[arg-type]
