@@ -1,4 +1,5 @@
-"""Planner integration: storage counts the id table, impossible constraints fail early, sharder checks."""
+"""Planner integration: storage counts the id table, impossible constraints fail early, sharder checks,
+the cost model's choices and estimates."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from sharding_models import SparseNN, host_env, tables
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -18,6 +20,8 @@ from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingCollection, HashEmbeddingConfig, IdTable
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
+    HybridPerfEstimator,
+    HybridPerfModel,
     get_default_hybrid_sharders,
     id_table_bytes,
 )
@@ -174,3 +178,165 @@ def test_storage_counts_the_id_tables_of_a_hash_embedding_collection() -> None:
     assert set(extra) == {"row_wise", "table_wise"}, extra
     assert extra["row_wise"] == [id_table_bytes(30_000, config)] * 2
     assert extra["table_wise"] == [id_table_bytes(60_000, config)]
+
+
+# --- The cost model: the unconstrained planner's choices, and how the estimates scale ---------
+
+
+def _layout(plan) -> dict[str, tuple[str, list[int]]]:
+    return {name: (ps.sharding_type, list(ps.ranks)) for mp in plan.plan.values() for name, ps in mp.items()}
+
+
+def _plan(model, topology: Topology, *, perf_model: bool = False, batch_size: int = 1024) -> dict:
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    extra = {"performance_model": HybridPerfModel(topology)} if perf_model else {}
+    planner = EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=batch_size,
+        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size),
+        **extra,
+    )
+    return _layout(planner.plan(model, sharders))
+
+
+def _unconstrained_picks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    two = Topology(world_size=2, compute_device="cpu")
+    small = SparseNN(tables(capacity=20_000, dims=(16,) * 4), num_dense=4, device="meta")
+    out["small_2"] = _plan(small, two)
+    out["small_2_model"] = _plan(small, two, perf_model=True)
+    out["pair_2"] = _plan(SparseNN(tables(capacity=20_000, dims=(16, 16)), num_dense=4, device="meta"), two)
+    eight = SparseNN(tables(capacity=20_000, dims=(16,) * 8), num_dense=4, device="meta")
+    out["eight_4"] = _plan(eight, Topology(world_size=4, compute_device="cpu"))
+    odd = SparseNN(tables(capacity=20_000, dims=(16,) * 3), num_dense=4, device="meta")
+    out["odd_2_model"] = _plan(odd, two, perf_model=True)
+    out["one_2"] = _plan(SparseNN(tables(capacity=20_000, dims=(16,)), num_dense=4, device="meta"), two)
+
+    # One table far larger than the others; a DDR cap its table-wise shard does not fit under,
+    # while its row-wise shards (half of it on each rank) and the small tables do.
+    configs = tables(capacity=2_000_000, dims=(16,)) + tables(capacity=20_000, dims=(16,) * 4)[1:]
+    big = SparseNN(configs, num_dense=4, device="meta")
+    enumerator = HybridEmbeddingEnumerator(topology=two, batch_size=1024)
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    ddr = {(o.name, o.sharding_type): max(s.storage.ddr for s in o.shards) for o in enumerator.enumerate(big, sharders)}
+    out["big_ddr"] = {f"{k[0]}/{k[1]}": v for k, v in ddr.items()}
+    cap = int(0.75 * ddr[("t0", "table_wise")])
+    out["big_uncapped"] = _plan(big, two)
+    out["big_capped"] = _plan(big, Topology(world_size=2, compute_device="cpu", ddr_cap=cap))
+    out["big_capped_model"] = _plan(big, Topology(world_size=2, compute_device="cpu", ddr_cap=cap), perf_model=True)
+    return out
+
+
+def test_unconstrained_planner_picks_table_wise_for_small_tables_row_wise_where_needed() -> None:
+    r = run_distributed(_unconstrained_picks, 1, timeout_s=120)[0]
+    # Small tables on 2 ranks: table-wise, spread evenly (2 per rank), with or without the perf model.
+    for key in ("small_2", "small_2_model"):
+        assert {t for t, _ in r[key].values()} == {"table_wise"}, (key, r[key])
+        assert sorted(ranks[0] for _, ranks in r[key].values()) == [0, 0, 1, 1], (key, r[key])
+    assert sorted(ranks[0] for t, ranks in r["pair_2"].values() if t == "table_wise") == [0, 1], r["pair_2"]
+    # 8 tables on 4 ranks: table-wise, 2 per rank.
+    assert {t for t, _ in r["eight_4"].values()} == {"table_wise"}, r["eight_4"]
+    assert sorted(ranks[0] for _, ranks in r["eight_4"].values()) == [0, 0, 1, 1, 2, 2, 3, 3], r["eight_4"]
+    # 3 tables: with HybridPerfModel one table-wise group (no second, row-wise group for one table).
+    assert {t for t, _ in r["odd_2_model"].values()} == {"table_wise"}, r["odd_2_model"]
+    assert sorted(ranks[0] for _, ranks in r["odd_2_model"].values()) == [0, 0, 1], r["odd_2_model"]
+    # One table alone: row-wise shares its work between the ranks (balance).
+    assert r["one_2"] == {"t0": ("row_wise", [0, 1])}, r["one_2"]
+    # A table too large for one rank's DDR: row-wise; uncapped the same model is table-wise.
+    assert r["big_ddr"]["t0/row_wise"] < 0.55 * r["big_ddr"]["t0/table_wise"], r["big_ddr"]
+    assert {t for t, _ in r["big_uncapped"].values()} == {"table_wise"}, r["big_uncapped"]
+    for key in ("big_capped", "big_capped_model"):
+        assert r[key]["t0"] == ("row_wise", [0, 1]), (key, r[key])
+
+
+def _estimates(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    pooled = SparseNN(tables(capacity=40_000, dims=(16,)), num_dense=4, device="meta")
+    unpooled = torch.nn.ModuleDict(
+        {
+            "ec": HashEmbeddingCollection(
+                tables=[HashEmbeddingConfig(name="t0", embedding_dim=16, num_embeddings=40_000, feature_names=["f0"])],
+                device=torch.device("meta"),
+            )
+        }
+    )
+    plain = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="p0", embedding_dim=16, num_embeddings=40_000, feature_names=["g0"])],
+        device=torch.device("meta"),
+    )
+    for world in (2, 4):
+        topology = Topology(world_size=world, compute_device="cpu")
+        constraints = {"t0": ParameterConstraints(pooling_factors=[4.0])}
+        estimator = HybridPerfEstimator(topology=topology, constraints=constraints)
+        enumerator = HybridEmbeddingEnumerator(topology=topology, batch_size=512, constraints=constraints)
+        for kind, model in (("pooled", pooled), ("unpooled", unpooled)):
+            for option in enumerator.enumerate(model, sharders):
+                costs = estimator.shard_costs(option)
+                key = f"{kind}/{world}/{option.sharding_type}"
+                out[key] = {
+                    "ids": sum(c.ids for c in costs),
+                    "output_bytes": sum(c.output_bytes for c in costs),
+                    "output_comm_s": sum(c.output_comm_s for c in costs),
+                    "host_s": [c.host_s for c in costs],
+                    "shards": len(costs),
+                    # The shards' perf is the costs' perf (ms).
+                    "perf_matches": all(s.perf == c.perf() for s, c in zip(option.shards, costs, strict=True)),
+                    "total_ms": [s.perf.total for s in option.shards],
+                }
+        # host_overlap: the hidden host work leaves Perf.total; the hidden id all-to-all goes
+        # to input_dist_comms (which TorchRec leaves out of the total).
+        option = next(o for o in enumerator.enumerate(pooled, sharders) if o.sharding_type == "row_wise")
+        cost = estimator.shard_costs(option)[0]
+        hidden = HybridPerfEstimator(topology=topology, constraints=constraints, host_overlap=1.0)
+        hidden.estimate([option], None)
+        out[f"overlap/{world}"] = {
+            "total": option.shards[0].perf.total,
+            "expected": cost.perf().total - 1000 * (cost.host_s + cost.id_comm_s),
+            "input_dist_comms": option.shards[0].perf.input_dist_comms,
+            "id_comm_ms": 1000 * cost.id_comm_s,
+        }
+        # Other modules keep TorchRec's estimate.
+        stock = EmbeddingPerfEstimator(topology=topology)
+        options = EmbeddingEnumerator(topology=topology, batch_size=512, estimator=[stock]).enumerate(plain, sharders)
+        ours = EmbeddingEnumerator(
+            topology=topology, batch_size=512, estimator=[HybridPerfEstimator(topology=topology)]
+        ).enumerate(plain, sharders)
+        out[f"plain/{world}"] = [
+            ([s.perf for s in a.shards], [s.perf for s in b.shards]) for a, b in zip(options, ours, strict=True)
+        ]
+    try:
+        HybridPerfEstimator(topology=Topology(world_size=2, compute_device="cpu"), host_overlap=1.5)
+    except ValueError as e:
+        out["bad_overlap"] = str(e)
+    return out
+
+
+def test_estimates_scale_as_the_cost_model_says() -> None:
+    r = run_distributed(_estimates, 1, timeout_s=120)[0]
+    for world in (2, 4):
+        tw, rw = r[f"pooled/{world}/table_wise"], r[f"pooled/{world}/row_wise"]
+        assert tw["shards"] == 1 and rw["shards"] == world
+        # Every id is mapped and looked up once, on either layout.
+        assert rw["ids"] == pytest.approx(tw["ids"])
+        # Pooled: each row-wise shard sends partial sums of every sample: world_size x the bytes.
+        assert rw["output_bytes"] == pytest.approx(world * tw["output_bytes"])
+        assert rw["output_comm_s"] == pytest.approx(world * tw["output_comm_s"])
+        # A row-wise shard maps 1/W of the ids, and buckets this rank's ids: less than the table.
+        assert all(h < tw["host_s"][0] for h in rw["host_s"])
+        assert all(t < tw["total_ms"][0] for t in rw["total_ms"])
+        # Unpooled: one embedding per id either way: the same bytes in all.
+        utw, urw = r[f"unpooled/{world}/table_wise"], r[f"unpooled/{world}/row_wise"]
+        assert urw["output_bytes"] == pytest.approx(utw["output_bytes"])
+        assert urw["ids"] == pytest.approx(utw["ids"])
+        for key in ("pooled", "unpooled"):
+            for sharding in ("table_wise", "row_wise"):
+                assert r[f"{key}/{world}/{sharding}"]["perf_matches"]
+        overlap = r[f"overlap/{world}"]
+        assert overlap["total"] == pytest.approx(overlap["expected"])
+        assert overlap["input_dist_comms"] == pytest.approx(overlap["id_comm_ms"]) and overlap["id_comm_ms"] > 0
+        for stock, ours in r[f"plain/{world}"]:
+            assert stock == ours
+    # The table-wise shard's output: every bag of the global batch (512 per rank x 2) x dim 16 x 4 B.
+    assert r["pooled/2/table_wise"]["output_bytes"] == pytest.approx(512 * 2 * 16 * 4)
+    assert "host_overlap" in r["bad_overlap"]
