@@ -305,6 +305,19 @@ def _estimates(rank: int, world_size: int) -> dict:
         out[f"plain/{world}"] = [
             ([s.perf for s in a.shards], [s.perf for s in b.shards]) for a, b in zip(options, ours, strict=True)
         ]
+    # On an accelerator the lookup and output dist keep TorchRec's estimate; the host work is added.
+    cuda = Topology(world_size=2, compute_device="cuda")
+    stock_cuda = EmbeddingEnumerator(topology=cuda, batch_size=512, estimator=[EmbeddingPerfEstimator(topology=cuda)])
+    hybrid_cuda = HybridPerfEstimator(topology=cuda)
+    ours_cuda = EmbeddingEnumerator(topology=cuda, batch_size=512, estimator=[hybrid_cuda])
+    out["cuda"] = [
+        (
+            [(p.fwd_compute, p.fwd_comms, p.bwd_compute, p.bwd_comms) for p in (s.perf for s in a.shards)],
+            [(p.fwd_compute, p.fwd_comms, p.bwd_compute, p.bwd_comms) for p in (s.perf for s in b.shards)],
+            [(1000 * c.host_s, 1000 * c.id_comm_s) for c in hybrid_cuda.shard_costs(b)],
+        )
+        for a, b in zip(stock_cuda.enumerate(pooled, sharders), ours_cuda.enumerate(pooled, sharders), strict=True)
+    ]
     try:
         HybridPerfEstimator(topology=Topology(world_size=2, compute_device="cpu"), host_overlap=1.5)
     except ValueError as e:
@@ -340,3 +353,8 @@ def test_estimates_scale_as_the_cost_model_says() -> None:
     # The table-wise shard's output: every bag of the global batch (512 per rank x 2) x dim 16 x 4 B.
     assert r["pooled/2/table_wise"]["output_bytes"] == pytest.approx(512 * 2 * 16 * 4)
     assert "host_overlap" in r["bad_overlap"]
+    assert r["cuda"]
+    for stock, ours, host in r["cuda"]:
+        for (sf, sc, sb, sbc), (of, oc, ob, obc), (host_ms, id_ms) in zip(stock, ours, host, strict=True):
+            assert of == pytest.approx(sf + host_ms) and oc == pytest.approx(sc + id_ms)
+            assert (ob, obc) == (sb, sbc)
