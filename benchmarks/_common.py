@@ -18,8 +18,9 @@ Not a benchmark itself (``nox -s bench`` runs only the scripts not starting with
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ __all__ = [
     "set_threads",
     "shard",
     "table_configs",
+    "train_samples_per_s",
 ]
 
 NUM_DENSE = 13  # dense features per sample, as Criteo
@@ -267,3 +269,21 @@ def set_threads(threads: int) -> None:
     """
     if threads:
         torch.set_num_threads(threads)
+
+
+def train_samples_per_s(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -> float:
+    """Samples/s of all ranks together, training on ``batches`` after the first ``warmup``.
+
+    Every rank calls it; barriers bound the timed region on all ranks alike.
+    """
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    return (len(batches) - warmup) * batches[0].batch_size * dist.get_world_size() / elapsed

@@ -32,14 +32,12 @@ import json
 import math
 import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from _common import NUM_DENSE, host_env, remap_ids, set_threads, shard
+from _common import NUM_DENSE, host_env, remap_ids, set_threads, shard, train_samples_per_s
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
@@ -193,21 +191,6 @@ def _plan(model: DistributedModelParallel) -> dict[str, str]:
     return out
 
 
-def _time(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -> float:
-    """Samples/s of all ranks together over the batches after the first ``warmup``."""
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            dist.barrier()
-            start = time.perf_counter()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    return (len(batches) - warmup) * batches[0].batch_size * dist.get_world_size() / elapsed
-
-
 def _variants() -> list[tuple[str, bool, str | None]]:
     out = []
     for layout in (*LAYOUTS, None):
@@ -233,7 +216,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]
     for _ in range(args.rounds):
         for name in order:
             model, optimizer, batches = runs[name]
-            results[name].append(_time(model, optimizer, batches, args.warmup))
+            results[name].append(train_samples_per_s(model, optimizer, batches, args.warmup))
         order.reverse()  # A B .. B A ..: no variant always runs right after the same one
     ids = {
         "history_ids_per_sample": float(np.mean([b.sparse_features["history"].values().numel() for b in raw[rank]]))
@@ -247,9 +230,9 @@ def _profile(run: tuple[nn.Module, Any, list[Batch]], args: argparse.Namespace, 
     from torch.profiler import ProfilerActivity, profile
 
     model, optimizer, batches = run
-    _time(model, optimizer, batches, args.warmup)  # first inserts, allocator
+    train_samples_per_s(model, optimizer, batches, args.warmup)  # first inserts, allocator
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _time(model, optimizer, batches, args.warmup)
+        train_samples_per_s(model, optimizer, batches, args.warmup)
     if rank != 0:
         return None
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

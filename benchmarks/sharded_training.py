@@ -36,7 +36,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from _common import (
     set_threads,
     shard,
     table_configs,
+    train_samples_per_s,
 )
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -186,20 +186,6 @@ def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, 
     return shard(model, sharders, {c.name: row_wise for c in configs}, args.batch_size)
 
 
-def _time(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -> float:
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            dist.barrier()
-            start = time.perf_counter()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    return (len(batches) - warmup) * batches[0].batch_size * dist.get_world_size() / elapsed
-
-
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     set_threads(args.threads)
     host = host_env()
@@ -228,7 +214,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
-            results[name].append(_time(model, optimizer, batches, args.warmup))
+            results[name].append(train_samples_per_s(model, optimizer, batches, args.warmup))
     for name, pick in picks.items():
         if pick["same_as"] is not None:
             results[name] = results[pick["same_as"]]
@@ -239,7 +225,7 @@ def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """Build and train MCH for a few steps: does TorchRec's managed collision train on CPU?"""
     set_threads(args.threads)
     model, optimizer = _build_mch(args, host_env())
-    _time(model, optimizer, _datasets(args, world_size)[rank][:3], warmup=1)
+    train_samples_per_s(model, optimizer, _datasets(args, world_size)[rank][:3], warmup=1)
 
 
 def main(argv: list[str] | None = None) -> int:
