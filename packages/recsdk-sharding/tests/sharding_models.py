@@ -12,7 +12,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data import Batch
+from recsdk.data import Batch, RandomRecDataset
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
@@ -130,3 +130,19 @@ def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
         values.append(jt.values()[offsets[lo] : offsets[hi]])
     local = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
     return Batch(batch.dense_features[lo:hi], local, batch.labels[lo:hi])
+
+
+def synthetic_data(rank: int, world_size: int, num_batches: int, batch_size: int, sample_seed: int) -> RandomRecDataset:
+    """This rank's part of the learnable synthetic task of features f0 (2 ids a bag) and f1 (1)."""
+    return RandomRecDataset(
+        batch_size=batch_size,
+        num_batches=num_batches,
+        feature_names=["f0", "f1"],
+        id_ranges=[2000, 500],
+        num_dense_features=4,
+        pooling_factors=[2, 1],
+        seed=7,
+        sample_seed=sample_seed,
+        rank=rank,
+        world_size=world_size,
+    )

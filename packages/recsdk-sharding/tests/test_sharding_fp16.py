@@ -15,14 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
-from sharding_models import SparseNN, auc, host_env, shard, sharded_hash_ebc
+from sharding_models import SparseNN, auc, host_env, shard, sharded_hash_ebc, synthetic_data
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from recsdk.data import RandomRecDataset
 from recsdk.data.testing import DistributedTestError, run_distributed
 from recsdk.embedding import HashEmbeddingBagConfig
 from recsdk.sharding import (
@@ -45,21 +44,6 @@ def _tables(data_type: DataType) -> list[HashEmbeddingBagConfig]:
     ]
 
 
-def _data(rank: int, world_size: int, num_batches: int, sample_seed: int) -> RandomRecDataset:
-    return RandomRecDataset(
-        batch_size=128,
-        num_batches=num_batches,
-        feature_names=FEATURES,
-        id_ranges=[2000, 500],
-        num_dense_features=4,
-        pooling_factors=[2, 1],
-        seed=7,
-        sample_seed=sample_seed,
-        rank=rank,
-        world_size=world_size,
-    )
-
-
 def _train(rank: int, world_size: int, data_type: DataType) -> dict:
     torch.manual_seed(0)
     model = SparseNN(_tables(data_type), num_dense=4, device="meta")
@@ -67,7 +51,7 @@ def _train(rank: int, world_size: int, data_type: DataType) -> dict:
     constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"])}
     ddp_model = shard(model, batch_size=128, constraints=constraints)
     dense = torch.optim.Adagrad([p for n, p in ddp_model.named_parameters() if "ebc" not in n], lr=0.1)
-    for batch in _data(rank, world_size, 80, sample_seed=0):
+    for batch in synthetic_data(rank, world_size, 80, 128, sample_seed=0):
         loss, _ = ddp_model(batch)
         loss.backward()
         dense.step()
@@ -75,7 +59,7 @@ def _train(rank: int, world_size: int, data_type: DataType) -> dict:
     ddp_model.eval()
     scores, labels = [], []
     with torch.no_grad():
-        for b in _data(rank, world_size, 8, sample_seed=1000):
+        for b in synthetic_data(rank, world_size, 8, 128, sample_seed=1000):
             scores.append(ddp_model(b)[1])
             labels.append(b.labels)
     s, y = torch.cat(scores), torch.cat(labels)
@@ -162,7 +146,7 @@ def _fp16_checkpoint(rank: int, world_size: int, root: str, save: bool) -> dict:
     if not save:
         load_checkpoint(ddp_model, None, path)
         return {"loaded": per_id(), "dtypes": {n: str(v.weight.dtype) for n, v in sebc.table_views().items()}}
-    for batch in _data(rank, world_size, 3, sample_seed=0):
+    for batch in synthetic_data(rank, world_size, 3, 128, sample_seed=0):
         loss, _ = ddp_model(batch)
         loss.backward()
     save_checkpoint(ddp_model, None, path)

@@ -7,32 +7,15 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from sharding_models import SparseNN, auc, const_init, rank_slice, shard, sharded_hash_ebc, tables
+from sharding_models import SparseNN, auc, const_init, rank_slice, shard, sharded_hash_ebc, synthetic_data, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recsdk.data import Batch, RandomRecDataset
+from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection
-
-FEATURES = ["f0", "f1"]
-
-
-def _dataset(rank: int, world_size: int, num_batches: int, batch_size: int, sample_seed: int) -> RandomRecDataset:
-    return RandomRecDataset(
-        batch_size=batch_size,
-        num_batches=num_batches,
-        feature_names=FEATURES,
-        id_ranges=[2000, 500],
-        num_dense_features=4,
-        pooling_factors=[2, 1],
-        seed=7,
-        sample_seed=sample_seed,
-        rank=rank,
-        world_size=world_size,
-    )
 
 
 def _seed_flow(rank: int, world_size: int) -> dict:
@@ -50,7 +33,7 @@ def _seed_flow(rank: int, world_size: int) -> dict:
     )
     optimizer = CombinedOptimizer([ddp_model.fused_optimizer, dense_optimizer])
 
-    held_out = list(_dataset(rank, world_size, 4, 128, sample_seed=1000))
+    held_out = list(synthetic_data(rank, world_size, 4, 128, sample_seed=1000))
 
     def eval_auc() -> float:
         ddp_model.eval()
@@ -71,7 +54,7 @@ def _seed_flow(rank: int, world_size: int) -> dict:
     auc_before = eval_auc()
     assert sum(len(t) for t in sebc.id_tables.values()) == 0, "eval inserted ids"
     losses = []
-    for batch in _dataset(rank, world_size, 60, 128, sample_seed=0):
+    for batch in synthetic_data(rank, world_size, 60, 128, sample_seed=0):
         loss, _ = ddp_model(batch)
         loss.backward()
         optimizer.step()
@@ -83,7 +66,7 @@ def _seed_flow(rank: int, world_size: int) -> dict:
     sizes = {name: len(t) for name, t in sebc.id_tables.items()}
     ddp_model.eval()
     with torch.no_grad():
-        for b in _dataset(rank, world_size, 2, 128, sample_seed=5000):
+        for b in synthetic_data(rank, world_size, 2, 128, sample_seed=5000):
             ddp_model(b)
     sizes_after_eval = {name: len(t) for name, t in sebc.id_tables.items()}
 
@@ -117,7 +100,7 @@ def test_seed_flow_trains_to_rising_auc_and_eval_inserts_nothing() -> None:
 
 
 def _global_batches(num_batches: int, batch_size: int) -> list[Batch]:
-    return list(_dataset(0, 1, num_batches, batch_size, sample_seed=3))
+    return list(synthetic_data(0, 1, num_batches, batch_size, sample_seed=3))
 
 
 STEPS, GLOBAL_BATCH = 20, 64
@@ -202,7 +185,7 @@ def _train_a_few_steps(rank: int, world_size: int, batch_sizes: list[int] | None
         ]
     )
     losses = []
-    for batch in itertools.islice(_dataset(rank, world_size, 6, batch_size, sample_seed=0), 6):
+    for batch in itertools.islice(synthetic_data(rank, world_size, 6, batch_size, sample_seed=0), 6):
         loss, _ = ddp_model(batch)
         loss.backward()
         optimizer.step()
