@@ -8,8 +8,8 @@ each round measures, slowest rank counted:
   every rank ``torch.save``-ing the same tensors (weights, optimizer state, id-table state
   dicts, dense state) to its own file, then ``fsync`` (``baseline``), and without the fsync
   (``baseline_nosync``);
-- ``load``: ``load_checkpoint`` into the live model (same world size; ``verify=True``, the
-  default, checks every file's CRC-32 first) against ``torch.load`` of those files followed by
+- ``load``: ``load_checkpoint`` into the live model (same world size, ``verify=True``: every
+  file's CRC-32 checked too) against ``torch.load`` of those files followed by
   putting everything back (copying weights, optimizer and dense state in,
   ``IdTable.load_state_dict``), i.e. the same restore done by hand (``baseline``), and against
   the bare ``torch.load`` (``baseline_read_only``); ``no_verify_*`` is ``verify=False`` and
@@ -206,7 +206,7 @@ def _two_ranks(rank: int, world_size: int, args: argparse.Namespace, root: str) 
         times["save_base"].append(_timed(lambda f=plain_file: _torch_save(plain, f, sync=True)))
         times["save_base_nosync"].append(_timed(lambda f=plain_file + ".nosync": _torch_save(plain, f, sync=False)))
         times["checksum"].append(_timed(lambda ckpt=ckpt: _checksum_share(ckpt, rank, world_size)))
-        times["load"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt)))
+        times["load"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt, verify=True)))
         times["load_no_verify"].append(_timed(lambda ckpt=ckpt: load_checkpoint(model, optimizer, ckpt, verify=False)))
         times["load_base"].append(_timed(lambda f=plain_file: _restore(model, optimizer, f)))
         times["load_base_read_only"].append(_timed(lambda f=plain_file: torch.load(f, weights_only=False)))

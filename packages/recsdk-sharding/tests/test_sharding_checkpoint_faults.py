@@ -85,8 +85,7 @@ def _damaged_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"latest": latest_checkpoint(root), "paths": paths}
     for case, verify in (("flipped_weights", True), ("flipped_rows", False), ("truncated", False), ("missing", False)):
-        kwargs = {} if verify else {"verify": False}  # verify=True is the default
-        result = _timed_call(lambda p=paths[case], kw=kwargs: load_checkpoint(ddp_model, optimizer, p, **kw))
+        result = _timed_call(lambda p=paths[case], v=verify: load_checkpoint(ddp_model, optimizer, p, verify=v))
         result["unchanged"] = _same(_snapshot(ddp_model, optimizer), before)
         out[case] = result
 
