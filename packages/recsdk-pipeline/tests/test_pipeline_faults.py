@@ -9,9 +9,10 @@ import weakref
 from typing import Any
 
 import torch
-from pipeline_models import build, make_batches
+from pipeline_models import build, hash_ebc, make_batches
 
 from recsdk.data.testing import run_distributed
+from recsdk.embedding import LRUEviction
 from recsdk.pipeline import HostStageError, HostWorker, HybridTrainPipelineSparseDist
 
 CPU = torch.device("cpu")
@@ -163,3 +164,39 @@ def test_data_iterator_failure_stops_every_rank_within_seconds() -> None:
         assert peer["seconds"] < RAISE_BOUND_S and mine["seconds"] < RAISE_BOUND_S, (fail_at, mine, peer)
         assert mine["after"] == peer["after"] == "RuntimeError", (mine, peer)
         assert mine["after_cause"] == "InjectedError" and peer["after_cause"] == HostStageError.__name__
+
+
+def _pins_after_a_failed_host_stage(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 0's host stage fails at batch 3 (before mapping, as a module's own failure does);
+    rank 1 mapped that batch (and pinned its rows) before the agreement told it."""
+    model, optimizer = build(eviction=LRUEviction())
+    module = hash_ebc(model)
+    if rank == 0:
+        original = module.post_input_dist
+        calls = {"n": 0}
+
+        def failing(ctx: Any, dist_input: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise ValueError("injected host-stage failure")
+            return original(ctx, dist_input)
+
+        module.post_input_dist = failing  # type: ignore[method-assign]
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    it = iter(make_batches(8, rank, seed=3))
+    error = None
+    try:
+        for _ in range(8):
+            pipeline.progress(it)
+    except Exception as e:
+        error = type(e).__name__
+    pipeline.close()
+    module.release_finished_pins()  # the last computed batch's rows
+    return {"error": error, "pinned": sum(t.num_pinned() for t in module.id_tables.values())}
+
+
+def test_a_failed_host_stage_leaves_no_rows_pinned_on_any_rank() -> None:
+    # Pinned rows are never evicted again: a leak would fill the table and block checkpoint loads.
+    failed, peer = run_distributed(_pins_after_a_failed_host_stage, 2, timeout_s=60)
+    assert failed["error"] == "ValueError" and peer["error"] == "HostStageError", (failed, peer)
+    assert failed["pinned"] == 0 and peer["pinned"] == 0, (failed, peer)

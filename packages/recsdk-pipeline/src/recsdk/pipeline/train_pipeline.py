@@ -372,8 +372,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         """Let each module drop what it holds for a batch that will not be computed."""
         if future is None or not future.done() or future.exception() is not None:
             return
+        self._release_result(future.result())
+
+    def _release_result(self, result: _HostResult) -> None:
+        """``release_context`` for every module a host stage mapped (its batch will not compute)."""
         for module in self._host_modules:
-            entry = future.result().get(self._name_of(module))
+            entry = result.get(self._name_of(module))
             if entry is not None:
                 cast(HostStagedModule, module).release_context(entry[0])
 
@@ -482,7 +486,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             except BaseException as e:
                 error = e
             assert self._agreements is not None
-            self._agreements.host_stage(context.index, error)
+            self._agree_on_host_stage(context.index, error, result)
             done.set_result(result)
         except BaseException as e:
             done.set_exception(e)
@@ -589,17 +593,29 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
         except BaseException as e:
             error = e
-        assert self._agreements is not None
-        self._agreements.host_stage(index, error)
+        self._agree_on_host_stage(index, error, result)
         return result
+
+    def _agree_on_host_stage(self, index: int | None, error: BaseException | None, result: _HostResult) -> None:
+        """The host stage's agreement; a batch that fails anywhere gives back the rows it holds."""
+        assert self._agreements is not None
+        try:
+            self._agreements.host_stage(index, error)
+        except BaseException:
+            self._release_result(result)
+            raise
 
     def _map_ids(self, module_contexts: dict[str, Any], requests: dict[str, Any]) -> _HostResult:
         """Receive each host-staged module's ids and run its ``post_input_dist``."""
         result: _HostResult = {}
-        for module in self._host_modules:
-            name = self._name_of(module)
-            module_context, kjts = module_contexts[name], requests[name].wait()
-            result[name] = (module_context, cast(HostStagedModule, module).post_input_dist(module_context, kjts))
+        try:
+            for module in self._host_modules:
+                name = self._name_of(module)
+                module_context, kjts = module_contexts[name], requests[name].wait()
+                result[name] = (module_context, cast(HostStagedModule, module).post_input_dist(module_context, kjts))
+        except BaseException:
+            self._release_result(result)  # the modules mapped before the one that failed
+            raise
         return result
 
     def _name_of(self, module: ShardedModule) -> str:
