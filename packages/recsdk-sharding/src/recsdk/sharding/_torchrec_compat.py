@@ -19,9 +19,13 @@ __all__ = [
     "fused_lookups",
     "input_dist_ready",
     "local_shards",
+    "num_features",
     "optimizers_of",
+    "quantized_comms",
     "queue_backward_callback",
     "replace_fused_optimizer",
+    "sharding_device",
+    "sharding_group",
     "table_configs",
     "without_range_warnings",
 ]
@@ -140,3 +144,23 @@ def copy_sharded_(dest: Any, source: Any) -> None:
 def wrapped_optimizer(optimizer: Any) -> Any:
     """The optimizer a TorchRec ``OptimizerWrapper`` wraps (kept in ``_optimizer``, no accessor)."""
     return optimizer._optimizer
+
+
+def sharding_group(sharding: Any) -> Any:
+    """The device process group of a TorchRec embedding sharding or output dist (``_pg``; no accessor)."""
+    return sharding._pg
+
+
+def sharding_device(sharding: Any) -> Any:
+    """The device a TorchRec embedding sharding was built for (``_device``; no accessor)."""
+    return sharding._device
+
+
+def num_features(sharding: Any) -> int:
+    """Features a TorchRec row-wise sharding's input dist receives (``_get_num_features``)."""
+    return int(sharding._get_num_features())
+
+
+def quantized_comms(output_dist: Any) -> bool:
+    """Whether a TorchRec pooled output dist was given quantized-comm codecs (``_codecs``)."""
+    return output_dist._codecs is not None

@@ -137,8 +137,9 @@ class HostAdam:
        hyper-parameters; :meth:`rewrite` then gives those tables' kernels exact SGD at lr 1.
     2. :meth:`install` (once the kernels exist): Adam state per table, and the module's fused
        optimizer with :class:`HostAdamOptimizer` in place of those tables' SGD.
-    3. :meth:`watch` (per training batch): snapshots the batch's rows before the lookup and
-       applies Adam to them at the end of the same backward.
+    3. :meth:`watch` (per training batch, once its lookups are issued, before backward):
+       snapshots the batch's rows (the forward lookup does not write them) and applies Adam to
+       them at the end of the same backward.
 
     A plan with no Adam table (or on a device whose kernel has Adam) does nothing anywhere.
 
@@ -229,7 +230,8 @@ class HostAdam:
     def watch(self, awaitable: LazyAwaitable[Any], batch_rows: Mapping[str, torch.Tensor]) -> None:
         """Apply Adam to the batch's rows once its backward has run the kernel's SGD step.
 
-        Call before the lookup, in training with gradients enabled.
+        Call in training with gradients enabled, after the lookups were issued and before the
+        backward (the kernel's SGD step, which :meth:`HostAdam` undoes, runs in the backward).
 
         Args:
             awaitable (LazyAwaitable): the module's output of ``compute_and_output_dist``.

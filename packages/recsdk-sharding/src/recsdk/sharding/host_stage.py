@@ -50,8 +50,10 @@ class MappedBatch:
         kjts (list[KeyedJaggedTensor]): per sharding type, the KJT of local rows.
         rows (dict[str, torch.Tensor]): per table, the rows the batch uses (admitted ids only).
         missing (list[torch.Tensor | None]): per sharding type, for unpooled tables, a bool mask
-            of the ids that have no row (placed on row 0; their embeddings must be zeroed);
-            ``None`` where every id has a row, and always for pooled tables.
+            of the ids that have no row (placed on row 0; their embeddings must be zeroed, so
+            row 0 gets a zero gradient from them, which leaves it unchanged under the fused
+            SGD, Adagrad, RowWiseAdagrad and recsdk's CPU Adam, which only updates the batch's
+            own rows); ``None`` where every id has a row, and always for pooled tables.
     """
 
     kjts: list[KeyedJaggedTensor]

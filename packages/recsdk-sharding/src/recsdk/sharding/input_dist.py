@@ -130,12 +130,13 @@ class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
     def __init__(self, host_pg: dist.ProcessGroup, num_features: int, device: torch.device | None = None) -> None:
         # TorchRec's block sizes are unused: the owner, not the id's range, picks the bucket.
         super().__init__(host_pg, num_features, feature_hash_sizes=[1] * num_features, is_sequence=True)
+        self._owners = host_pg.size()
         self._output_device = device
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        bucketed, permute = bucketize_by_owner_with_permute(_on_host(sparse_features), self._world_size)
+        bucketed, permute = bucketize_by_owner_with_permute(_on_host(sparse_features), self._owners)
         device = self._output_device
         self.unbucketize_permute_tensor = (
             permute if device is None or device.type in ("cpu", "meta") else permute.to(device, non_blocking=True)
         )
-        return self._dist(bucketed)
+        return self._dist(bucketed)  # RwSparseFeaturesDist's KJTAllToAll over host_pg (the pipeline's name)

@@ -21,6 +21,8 @@ from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
+from recsdk.sharding import _torchrec_compat as compat
+
 __all__ = ["AllToAllPooledEmbeddingDist", "is_gloo"]
 
 
@@ -102,14 +104,15 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
     ) -> Awaitable[torch.Tensor]:
-        if self._codecs is not None or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
+        if compat.quantized_comms(self) or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
             return super().forward(local_embs, sharding_ctx)
-        world_size = self._pg.size()
+        pg = compat.sharding_group(self)
+        world_size = pg.size()
         if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
             splits = list(sharding_ctx.batch_size_per_rank)
         else:
             splits = [local_embs.shape[0] // world_size] * world_size
-        return _AllToAllPooledAwaitable(local_embs, splits, self._pg)
+        return _AllToAllPooledAwaitable(local_embs, splits, pg)
 
 
 def is_gloo(pg: dist.ProcessGroup) -> bool:

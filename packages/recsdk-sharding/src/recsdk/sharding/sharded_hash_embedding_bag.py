@@ -91,7 +91,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             host_pg=self._host_pg,
             features=list(dict.fromkeys(f for c in module.embedding_bag_configs() for f in c.feature_names)),
             name="HashEmbeddingBagCollection",
-            is_weighted=self._is_weighted,
+            is_weighted=module.is_weighted(),
             host_adam=self._host_adam,
             prefix=_PREFIX,
             pooled=True,

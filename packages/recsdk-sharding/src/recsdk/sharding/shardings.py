@@ -27,6 +27,7 @@ from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddi
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
+from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSequenceFeaturesDist, OwnerSparseFeaturesDist
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, is_gloo
 
@@ -55,9 +56,10 @@ class GlooRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     """
 
     def create_output_dist(self, device: torch.device | None = None) -> RwPooledEmbeddingDist:
-        if self._pg is not None and is_gloo(self._pg):
+        pg = compat.sharding_group(self)
+        if pg is not None and is_gloo(pg):
             return AllToAllPooledEmbeddingDist(
-                self._pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
+                pg, qcomm_codecs_registry=self.qcomm_codecs_registry, embedding_dims=self.embedding_dims()
             )
         return super().create_output_dist(device)
 
@@ -91,7 +93,7 @@ class HostRwPooledEmbeddingSharding(_HostGroupSharding, GlooRwPooledEmbeddingSha
     """
 
     def create_input_dist(self, device: torch.device | None = None) -> OwnerSparseFeaturesDist:
-        return OwnerSparseFeaturesDist(self._host_pg, self._get_num_features())
+        return OwnerSparseFeaturesDist(self._host_pg, compat.num_features(self))
 
 
 class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):
@@ -118,7 +120,9 @@ class HostRwSequenceEmbeddingSharding(_HostGroupSharding, RwSequenceEmbeddingSha
     """
 
     def create_input_dist(self, device: torch.device | None = None) -> OwnerSequenceFeaturesDist:
-        return OwnerSequenceFeaturesDist(self._host_pg, self._get_num_features(), device or self._device)
+        return OwnerSequenceFeaturesDist(
+            self._host_pg, compat.num_features(self), device or compat.sharding_device(self)
+        )
 
 
 class HostTwSequenceEmbeddingSharding(_HostGroupSharding, TwSequenceEmbeddingSharding):
