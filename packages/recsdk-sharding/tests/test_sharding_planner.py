@@ -10,7 +10,7 @@ from sharding_models import SparseNN, host_env, tables
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -35,21 +35,30 @@ def _storage_and_constraints(rank: int, world_size: int) -> dict:
     constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"])}
 
     hybrid = HybridEmbeddingEnumerator(topology=topology, batch_size=64, constraints=constraints)
-    stock = EmbeddingEnumerator(topology=topology, batch_size=64, constraints=constraints)
+    # TorchRec's storage estimate alone: its perf estimator has no CPU figures for cached kernels.
+    stock = EmbeddingEnumerator(
+        topology=topology,
+        batch_size=64,
+        constraints=constraints,
+        estimator=[EmbeddingStorageEstimator(topology=topology, constraints=constraints)],
+    )
 
     def ddr(enumerator: EmbeddingEnumerator) -> dict:
         options = enumerator.enumerate(model, sharders)
-        return {(o.name, o.sharding_type): [s.storage.ddr for s in o.shards] for o in options}
+        return {
+            (o.name, o.sharding_type): [s.storage.ddr for s in o.shards] for o in options if o.compute_kernel == "fused"
+        }
 
     with_table, without = ddr(hybrid), ddr(stock)
     out["extra"] = {k: [a - b for a, b in zip(with_table[k], without[k], strict=True)] for k in with_table}
-    out["rw_rows"] = [s.size[0] for o in hybrid.enumerate(model, sharders) if o.name == "t0" for s in o.shards]
+    t0 = next(o for o in hybrid.enumerate(model, sharders) if (o.name, o.compute_kernel) == ("t0", "fused"))
+    out["rw_rows"] = [s.size[0] for s in t0.shards]
 
     # A DDR cap between the two totals: plain estimate fits, with the id table it does not.
     total_without = sum(max(v) for k, v in without.items() if k[1] == "row_wise")
     total_with = sum(max(v) for k, v in with_table.items() if k[1] == "row_wise")
     cap = (total_without + total_with) // 2
-    row_wise = {t: ParameterConstraints(sharding_types=["row_wise"]) for t in ("t0", "t1")}
+    row_wise = {t: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"]) for t in ("t0", "t1")}
     tight = Topology(world_size=world_size, compute_device="cpu", ddr_cap=cap)
     EmbeddingShardingPlanner(topology=tight, constraints=row_wise).plan(model, sharders)  # fits without the table
     try:
@@ -83,8 +92,10 @@ def test_storage_counts_id_table_and_bad_constraints_fail_at_planning() -> None:
         config = next(c for c in tables(capacity=100_000, dims=(16, 8)) if c.name == name)
         expected = [id_table_bytes(rows, config)] * len(extra)
         assert 20 * rows < expected[0] < 48 * rows  # slots and per-row metadata, at most 48 B/row
-        # Exact: what the shard's host table really holds (on CPU, with the index it gets there).
+        # Exact: what the shard's host table really holds when full (on CPU, with the index it
+        # has grown to there).
         host_table = IdTable(rows, admission=config.admission, eviction=config.eviction, name=name)
+        host_table.find_or_insert(torch.randperm(10 * rows)[:rows])
         assert expected[0] == host_table.memory_bytes
         assert extra == expected, (name, sharding_type, extra)
     assert "INSUFFICIENT_STORAGE" in r["tight"] or "storage" in r["tight"].lower(), r["tight"]
@@ -163,10 +174,11 @@ def _ec_storage(rank: int, world_size: int) -> dict:
     sharders = get_default_hybrid_sharders(host_env=host_env())
     topology = Topology(world_size=world_size, compute_device="cpu")
     hybrid = HybridEmbeddingEnumerator(topology=topology, batch_size=64)
-    stock = EmbeddingEnumerator(topology=topology, batch_size=64)
+    stock = EmbeddingEnumerator(topology=topology, batch_size=64, estimator=[EmbeddingStorageEstimator(topology)])
 
     def ddr(enumerator: EmbeddingEnumerator) -> dict:
-        return {o.sharding_type: [s.storage.ddr for s in o.shards] for o in enumerator.enumerate(model, sharders)}
+        options = enumerator.enumerate(model, sharders)
+        return {o.sharding_type: [s.storage.ddr for s in o.shards] for o in options if o.compute_kernel == "fused"}
 
     with_table, without = ddr(hybrid), ddr(stock)
     return {k: [a - b for a, b in zip(with_table[k], without[k], strict=True)] for k in with_table}
@@ -271,7 +283,7 @@ def _estimates(rank: int, world_size: int) -> dict:
         estimator = HybridPerfEstimator(topology=topology, constraints=constraints)
         enumerator = HybridEmbeddingEnumerator(topology=topology, batch_size=512, constraints=constraints)
         for kind, model in (("pooled", pooled), ("unpooled", unpooled)):
-            for option in enumerator.enumerate(model, sharders):
+            for option in (o for o in enumerator.enumerate(model, sharders) if o.compute_kernel == "fused"):
                 costs = estimator.shard_costs(option)
                 key = f"{kind}/{world}/{option.sharding_type}"
                 out[key] = {
@@ -286,7 +298,8 @@ def _estimates(rank: int, world_size: int) -> dict:
                 }
         # host_overlap: the hidden host work leaves Perf.total; the hidden id all-to-all goes
         # to input_dist_comms (which TorchRec leaves out of the total).
-        option = next(o for o in enumerator.enumerate(pooled, sharders) if o.sharding_type == "row_wise")
+        options = enumerator.enumerate(pooled, sharders)
+        option = next(o for o in options if (o.sharding_type, o.compute_kernel) == ("row_wise", "fused"))
         cost = estimator.shard_costs(option)[0]
         hidden = HybridPerfEstimator(topology=topology, constraints=constraints, host_overlap=1.0)
         hidden.estimate([option], None)
@@ -305,7 +318,8 @@ def _estimates(rank: int, world_size: int) -> dict:
         out[f"plain/{world}"] = [
             ([s.perf for s in a.shards], [s.perf for s in b.shards]) for a, b in zip(options, ours, strict=True)
         ]
-    # On an accelerator the lookup and output dist keep TorchRec's estimate; the host work is added.
+    # On an accelerator the lookup and output dist keep TorchRec's estimate; the host work is added
+    # (fused here; cached kernels: test_sharding_cache_planner).
     cuda = Topology(world_size=2, compute_device="cuda")
     stock_cuda = EmbeddingEnumerator(topology=cuda, batch_size=512, estimator=[EmbeddingPerfEstimator(topology=cuda)])
     hybrid_cuda = HybridPerfEstimator(topology=cuda)
@@ -317,6 +331,7 @@ def _estimates(rank: int, world_size: int) -> dict:
             [(1000 * c.host_s, 1000 * c.id_comm_s) for c in hybrid_cuda.shard_costs(b)],
         )
         for a, b in zip(stock_cuda.enumerate(pooled, sharders), ours_cuda.enumerate(pooled, sharders), strict=True)
+        if b.compute_kernel == "fused"
     ]
     try:
         HybridPerfEstimator(topology=Topology(world_size=2, compute_device="cpu"), host_overlap=1.5)

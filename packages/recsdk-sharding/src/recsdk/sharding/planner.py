@@ -1,4 +1,5 @@
-"""Planner glue: recsdk's cost model and the host id tables in the estimates, early constraint checks.
+"""Planner glue: recsdk's cost model, the host id tables and device caches in the estimates,
+early constraint checks.
 
 Use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
 :class:`HybridEmbeddingEnumerator` (and, for the fixed costs of a plan's sharding groups,
@@ -11,22 +12,81 @@ Use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
         performance_model=HybridPerfModel(topology),
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+
+Where a hash table shard's memory is counted, per compute kernel (device: HBM on a CUDA
+topology, DDR on CPU; every kernel adds the shard's id table to DDR):
+
+=====================  ==========================  ===============================  =================
+kernel                 device                      DDR                              SSD
+=====================  ==========================  ===============================  =================
+``fused``              every row, its optimizer    the id table                     --
+                       state
+``fused_uvm_caching``  the cache:                  the store (every row, its        --
+                       ceil(load_factor x rows)    optimizer state); the cache's
+                       rows, their optimizer       index; the id table
+                       state
+``key_value``          the cache, as above         the cache's index; the id table  the store's files
+                                                   (the files' pages are the OS
+                                                   page cache's)
+=====================  ==========================  ===============================  =================
+
+(Plus TorchRec's inputs and outputs of the kernel, as for a ``fused`` table.) The unconstrained
+planner enumerates ``fused`` and ``fused_uvm_caching``; the cost model makes caching dearer, so it
+is chosen only where ``fused`` does not fit. ``key_value`` needs a table's
+``ParameterConstraints`` (``compute_kernels`` naming it, and ``key_value_params`` with the
+store's ``ssd_storage_directory``), as in TorchRec, and a topology with SSD capacity (``ssd_cap``,
+TorchRec's 2 TB per rank by default); among the kernels a constraint allows, the planner takes
+``key_value`` only where the store does not fit DDR either::
+
+    constraints = {
+        "item": ParameterConstraints(
+            compute_kernels=["fused", "fused_uvm_caching", "key_value"],
+            cache_params=CacheParams(load_factor=0.1),
+            key_value_params=KeyValueParams(ssd_storage_directory="/ssd/recsdk"),
+        )
+    }
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.enumerators import GUARDED_COMPUTE_KERNELS, EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
-from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Topology
-from torchrec.distributed.types import ModuleSharder
+from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
+from torchrec.distributed.types import ModuleSharder, PipelineType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, slot_index
-from recsdk.sharding.cost_model import HybridPerfEstimator
+from recsdk.embedding import (
+    HashEmbeddingBagCollection,
+    HashEmbeddingCollection,
+    IdTable,
+    LFUEviction,
+    LRUEviction,
+    slot_index,
+)
+from recsdk.sharding.cache_plan import CACHED_KERNELS
+from recsdk.sharding.cost_model import (
+    HybridPerfEstimator,
+    as_fused,
+    fused_row_bytes,
+    option_cache,
+    planned_cache,
+)
 
-__all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "id_table_bytes"]
+__all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "cache_index_bytes", "id_table_bytes"]
+
+CACHE_SLOT_BYTES = 9
+"""Per cache slot, beside its id table: the store row it holds (int64) and whether it changed (bool)."""
+
+
+def _host_table_bytes(rows: int, **table: object) -> int:
+    """Bytes of an ``IdTable(rows, **table)`` on the host: built on ``meta`` (nothing is allocated),
+    with the hash index a CPU table gets in place of the meta table's."""
+    meta = IdTable(rows, device="meta", **table)  # type: ignore[arg-type]
+    meta_index = slot_index.index_bytes(rows, torch.device("meta"))
+    return int(meta.memory_bytes) - meta_index + slot_index.index_bytes(rows, torch.device("cpu"))
 
 
 def id_table_bytes(rows: int, config: BaseEmbeddingConfig) -> int:
@@ -38,38 +98,101 @@ def id_table_bytes(rows: int, config: BaseEmbeddingConfig) -> int:
     """
     admission = getattr(config, "admission", None)
     eviction = getattr(config, "eviction", None)
-    table = IdTable(rows, device="meta", admission=admission, eviction=eviction, name=config.name)
-    meta_index = slot_index.index_bytes(rows, torch.device("meta"))
-    return int(table.memory_bytes) - meta_index + slot_index.index_bytes(rows, torch.device("cpu"))
+    return _host_table_bytes(rows, admission=admission, eviction=eviction, name=config.name)
+
+
+def cache_index_bytes(slots: int, algorithm: str) -> int:
+    """Host bytes of a device cache's index over ``slots`` cache rows (``TableCache``: an id table
+    keyed by store row with the cache's eviction, and :data:`CACHE_SLOT_BYTES` per slot).
+
+    Args:
+        slots (int): the cache's rows.
+        algorithm (str): ``"lru"`` or ``"lfu"``.
+    """
+    eviction = LFUEviction() if algorithm == "lfu" else LRUEviction()
+    return _host_table_bytes(slots, eviction=eviction, name="device cache") + CACHE_SLOT_BYTES * slots
 
 
 class IdTableStorageEstimator(EmbeddingStorageEstimator):
-    """TorchRec's storage estimator plus the host id table of each HashEBC shard.
+    """TorchRec's storage estimator with each hash table shard's memory where it lives.
 
-    The id table lives in host memory (DDR) on every device type, so each shard of a
-    :class:`~recsdk.embedding.HashEmbeddingBagCollection` or
-    :class:`~recsdk.embedding.HashEmbeddingCollection` table gets the exact size of its id
-    table (:func:`id_table_bytes`) added to its DDR.
+    For each shard of a :class:`~recsdk.embedding.HashEmbeddingBagCollection` or
+    :class:`~recsdk.embedding.HashEmbeddingCollection` table (see the module docstring):
+
+    - ``fused``: TorchRec's estimate (the rows on the device);
+    - ``fused_uvm_caching`` / ``key_value``: TorchRec's estimate of the ``fused`` kernel over the
+      cache's rows (``ceil(load_factor x rows)``), the store's rows and optimizer state
+      (:func:`~recsdk.sharding.cost_model.fused_row_bytes`) in DDR or SSD, and the cache's index
+      (:func:`cache_index_bytes`) in DDR;
+    - and the exact size of its id table (:func:`id_table_bytes`) in DDR.
+
+    Other tables get TorchRec's estimate.
 
     Args:
         topology (Topology): the planner's topology.
         constraints (dict[str, ParameterConstraints] | None): the planner's constraints.
+        pipeline_type (PipelineType): as TorchRec's estimator takes.
+        run_embedding_at_peak_memory (bool): as TorchRec's estimator takes.
+        is_inference (bool): no optimizer state.
+
+    Example::
+
+        topology = Topology(world_size=2, compute_device="cuda", hbm_cap=16 * 2**30)
+        storage = IdTableStorageEstimator(topology, is_inference=True)
+        perf = HybridPerfEstimator(topology, is_inference=True)
+        enumerator = HybridEmbeddingEnumerator(topology=topology, batch_size=B, estimator=[perf, storage])
     """
 
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        pipeline_type: PipelineType = PipelineType.NONE,
+        run_embedding_at_peak_memory: bool = False,
+        is_inference: bool = False,
+    ) -> None:
+        super().__init__(topology, constraints, pipeline_type, run_embedding_at_peak_memory, is_inference)
+        self._inference = is_inference
+
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: dict | None = None) -> None:  # type: ignore[override]
-        super().estimate(sharding_options, sharder_data_map)  # type: ignore[arg-type]
-        for option in sharding_options:
-            module = option.module[1]
-            if isinstance(module, HashEmbeddingBagCollection):
-                configs: list[BaseEmbeddingConfig] = list(module.embedding_bag_configs())
-            elif isinstance(module, HashEmbeddingCollection):
-                configs = list(module.embedding_configs())
-            else:
+        caches = [option_cache(option) for option in sharding_options]
+        # A cached table's device part: the fused kernel TorchRec builds over the cache's rows.
+        kernels = [o if c is None else as_fused(o, c) for o, c in zip(sharding_options, caches, strict=True)]
+        super().estimate(kernels, sharder_data_map)  # type: ignore[arg-type]
+        for option, kernel, cache in zip(sharding_options, kernels, caches, strict=True):
+            config = _hash_table_config(option)
+            if config is None:
                 continue
-            config = next(c for c in configs if c.name == option.name)
-            for shard in option.shards:
-                if shard.storage is not None:
-                    shard.storage.ddr += id_table_bytes(int(shard.size[0]), config)
+            rows = [int(shard.size[0]) for shard in option.shards]
+            store = fused_row_bytes(option, rows, is_inference=self._inference) if cache is not None else []
+            for i, (shard, estimated) in enumerate(zip(option.shards, kernel.shards, strict=True)):
+                storage = estimated.storage
+                if storage is None:
+                    continue
+                if cache is not None:  # the cache on the device, the store in DDR or on SSD
+                    storage = Storage(
+                        hbm=storage.hbm,
+                        ddr=storage.ddr + cache_index_bytes(cache.slots(rows[i]), cache.algorithm),
+                        ssd=storage.ssd,
+                    )
+                    if cache.store == "host":
+                        storage.ddr += store[i]
+                    else:
+                        storage.ssd += store[i]
+                storage.ddr += id_table_bytes(rows[i], config)
+                shard.storage = storage
+
+
+def _hash_table_config(option: ShardingOption) -> BaseEmbeddingConfig | None:
+    """The config of a hash module's table that ``option`` shards; ``None`` for other modules."""
+    module = option.module[1]
+    if isinstance(module, HashEmbeddingBagCollection):
+        configs: list[BaseEmbeddingConfig] = list(module.embedding_bag_configs())
+    elif isinstance(module, HashEmbeddingCollection):
+        configs = list(module.embedding_configs())
+    else:
+        return None
+    return next(c for c in configs if c.name == option.name)
 
 
 class HybridEmbeddingEnumerator(EmbeddingEnumerator):
@@ -80,7 +203,9 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
       :class:`IdTableStorageEstimator` (unless ``estimator`` is given).
     - Checks ``ParameterConstraints`` against what each table's sharder supports on the
       topology's device before enumerating, and raises a ``ValueError`` naming the table,
-      the constraint and the supported choices.
+      the constraint and the supported choices; for a hash table that may be cached, also its
+      ``cache_params`` and ``key_value_params`` as the sharded module will read them (a load
+      factor in ``(0, 1]``, ``key_value`` with a storage directory and SSD capacity).
 
     Args:
         topology (Topology): device topology.
@@ -106,6 +231,7 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
                 IdTableStorageEstimator(topology=topology, constraints=constraints),
             ]
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)  # type: ignore[arg-type]
+        self._ssd_caps = [device.storage.ssd for device in topology.devices]
 
     def enumerate(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
         self._check_constraints(module, sharders)
@@ -135,10 +261,32 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
                         )
                 else:
                     usable = supported
+                kernels = {k for t in usable for k in sharder.compute_kernels(t, self._compute_device)}
                 if constraint.compute_kernels:
-                    kernels = {k for t in usable for k in sharder.compute_kernels(t, self._compute_device)}
                     if not kernels.intersection(constraint.compute_kernels):
                         raise ValueError(
                             f"{what}: constraint compute_kernels={constraint.compute_kernels} cannot be met on "
                             f"compute device {self._compute_device!r}; supported: {sorted(kernels)}"
                         )
+                    kernels.intersection_update(constraint.compute_kernels)
+                else:  # TorchRec enumerates its guarded kernels (key_value) only when a constraint names them
+                    kernels.difference_update(k.value for k in GUARDED_COMPUTE_KERNELS)
+                if isinstance(child, (HashEmbeddingBagCollection, HashEmbeddingCollection)):
+                    self._check_cache(name, what, constraint, kernels)
+
+    def _check_cache(self, name: str, what: str, constraint: ParameterConstraints, kernels: set[str]) -> None:
+        """Raise unless every cached kernel the planner may pick for hash table ``name`` can be built."""
+        for kernel in sorted(kernels.intersection(CACHED_KERNELS)):
+            if kernel == EmbeddingComputeKernel.KEY_VALUE.value and not any(cap > 0 for cap in self._ssd_caps):
+                raise ValueError(
+                    f"{what}: constraint compute_kernels={constraint.compute_kernels} asks for 'key_value', whose "
+                    f"row store's files count against the topology's SSD capacity, but no rank has any "
+                    f"(ssd_cap per rank: {self._ssd_caps}); give Topology(ssd_cap=...) or another kernel"
+                )
+            try:
+                planned_cache(name, kernel, constraint.cache_params, constraint.key_value_params)
+            except ValueError as e:
+                reason = str(e).removeprefix(f"table {name!r}: ")
+                if repr(kernel) not in reason:
+                    reason += f" (for compute kernel {kernel!r})"
+                raise ValueError(f"{what}: {reason}") from None
