@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "little_demo" / "main.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TABLE_KEYS = {"module", "size", "capacity", "inserts", "evictions", "admission_rejects", "lookups", "hits", "hit_rate"}
+CACHE_KEYS = {"cache_slots", "cache_lookups", "cache_hits", "cache_hit_rate", "swap_ins", "swap_outs"} | {
+    "store_rows_used"
+}
 # The random-data runs: long enough for the target attention to find the history's signal.
 RANDOM_STEPS = 60
 # Eval AUC with the history minus without it, after RANDOM_STEPS steps: about 0.10 to 0.13 over
@@ -42,7 +45,7 @@ def check_summary(out: Path, steps: int) -> dict:
     assert math.isfinite(summary["final_train_loss"]) and summary["final_train_loss"] > 0
     assert summary["samples_per_s"] > 0
     for name, stats in summary["tables"].items():
-        assert set(stats) == TABLE_KEYS, name
+        assert set(stats) in (TABLE_KEYS, TABLE_KEYS | CACHE_KEYS), name
         assert 0 < stats["size"] <= stats["capacity"], (name, stats)
         assert stats["inserts"] >= stats["size"], (name, stats)
         assert 0.0 <= stats["hit_rate"] <= 1.0
@@ -99,6 +102,27 @@ def test_the_history_raises_the_eval_auc(
     assert with_history > without["eval_auc"] + HISTORY_AUC_MARGIN, (with_history, without["eval_auc"])
 
 
+def test_a_device_cache_trains_the_same_model(
+    tmp_path: Path, random_run: tuple[subprocess.CompletedProcess[str], dict]
+) -> None:
+    # The row-wise tables (user, item) keep every row in host memory and a quarter in the fused
+    # kernel: a lossless cache, so the run is the all-resident run, bit for bit.
+    out = tmp_path / "out"
+    flags = ["--world-size", "2", "--steps", str(RANDOM_STEPS), "--eval-every", "20", "--cache-load-factor", "0.25"]
+    proc = run_demo(*flags, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cached = check_summary(out, steps=RANDOM_STEPS)
+    resident = random_run[1]
+    assert cached["eval_history"] == resident["eval_history"]
+    assert cached["final_train_loss"] == resident["final_train_loss"]
+    for name in ("user", "item"):
+        stats = cached["tables"][name]
+        assert CACHE_KEYS <= set(stats), name
+        assert stats["swap_ins"] > stats["cache_slots"] and 0.0 < stats["cache_hit_rate"] < 1.0, (name, stats)
+        assert stats["store_rows_used"] == stats["size"]
+    assert "cache hit rate" in proc.stdout
+
+
 def test_demo_on_a_criteo_file(tmp_path: Path) -> None:
     # 3000 lines: 1500 per rank, 23 batches of 64, 8 held out, so 20 steps run into a second epoch.
     data = write_synthetic_criteo(tmp_path / "day_0.tsv", num_lines=3000, seed=3)
@@ -118,6 +142,7 @@ def test_demo_on_a_criteo_file(tmp_path: Path) -> None:
         (["--steps", "0"], "--steps"),
         (["--data", "criteo", "--data-path", "does/not/exist.tsv"], "does/not/exist.tsv"),
         (["--data", "criteo", "--data-path", "does/not/exist.tsv", "--no-history"], "--no-history"),
+        (["--cache-load-factor", "1.5"], "--cache-load-factor"),
     ],
 )
 def test_bad_flag_exits_with_one_line(tmp_path: Path, flags: list[str], named: str) -> None:

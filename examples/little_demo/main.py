@@ -35,7 +35,7 @@ from model import DLRM, file_tables, random_sequence_tables, random_tables
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingEnv
 from tqdm import tqdm
 
 from recsdk.data import DEVICE_TYPES, backend_for, get_device
@@ -54,6 +54,7 @@ EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse ta
 DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
 ROW_WISE_FROM = 4_096  # tables of this many rows or more are split over the ranks, smaller ones kept whole (step 6)
 STAT_KEYS = ("size", "capacity", "inserts", "evictions", "admission_rejects", "lookups", "hits")
+CACHE_STAT_KEYS = ("cache_slots", "cache_lookups", "cache_hits", "swap_ins", "swap_outs", "store_rows_used")
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -79,6 +80,16 @@ def _int_at_least(minimum: int, maximum: int | None = None) -> Any:
     return parse
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < 1:  # TorchRec's planner takes a cache load factor strictly between 0 and 1
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the flags; any problem exits with one line before a process starts."""
     parser = _Parser(prog="little_demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +106,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-path", default=None, help="a file or folder, for --data criteo and parquet")
     parser.add_argument(
         "--no-history", action="store_true", help="random data: leave out the history feature and its attention"
+    )
+    parser.add_argument(
+        "--cache-load-factor",
+        type=_fraction,
+        default=None,
+        help="keep the row-wise tables' rows in host memory, this share of them in the device cache (0 < F < 1)",
     )
     parser.add_argument("--num-workers", type=_int_at_least(0), default=0, help="DataLoader workers per rank")
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
@@ -196,10 +213,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         # 6. Sharding: hybrid sharders, a plan from TorchRec's planner, DistributedModelParallel.
         sharders = get_default_hybrid_sharders(host_env=host_env)
         constraints = {
-            t.name: ParameterConstraints(
-                sharding_types=["row_wise" if t.num_embeddings >= ROW_WISE_FROM else "table_wise"]
-            )
-            for t in [*tables, *sequence_tables]
+            t.name: table_constraints(t.num_embeddings, args.cache_load_factor) for t in [*tables, *sequence_tables]
         }
         topology = Topology(world_size=world_size, compute_device="cpu" if device.type == "cpu" else "cuda")
         planner = EmbeddingShardingPlanner(
@@ -314,6 +328,20 @@ def best_possible_auc(data: DemoData, auroc: BinaryAUROC) -> float | None:
     return value
 
 
+def table_constraints(num_embeddings: int, cache_load_factor: float | None) -> ParameterConstraints:
+    """Large tables row-wise (with ``cache_load_factor``: every row in host memory, that share of
+    them in the device cache), small ones table-wise."""
+    if num_embeddings < ROW_WISE_FROM:
+        return ParameterConstraints(sharding_types=["table_wise"])
+    if cache_load_factor is None:
+        return ParameterConstraints(sharding_types=["row_wise"])
+    return ParameterConstraints(
+        sharding_types=["row_wise"],
+        compute_kernels=["fused_uvm_caching"],
+        cache_params=CacheParams(load_factor=cache_load_factor, algorithm=CacheAlgorithm.LRU),
+    )
+
+
 def gather_table_stats(modules: dict[str, HostShardedModule], group: dist.ProcessGroup) -> dict[str, dict[str, Any]]:
     """Each table's id-table statistics, summed over the ranks' shards, with its module's name.
 
@@ -330,8 +358,14 @@ def gather_table_stats(modules: dict[str, HostShardedModule], group: dist.Proces
             for table, s in module_stats.items():
                 for key in STAT_KEYS:
                     totals[table][key] += int(s[key])
+                for key in CACHE_STAT_KEYS:  # a cached table's device cache
+                    if key in s:
+                        totals[table][key] = totals[table].get(key, 0) + int(s[key])
     for total in totals.values():
         total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+        if "cache_lookups" in total:
+            lookups = total["cache_lookups"]
+            total["cache_hit_rate"] = total["cache_hits"] / lookups if lookups else 0.0
     return totals
 
 
@@ -414,6 +448,22 @@ def report(
         stored = f"{s['size']:,} / {s['capacity']:,}"
         counts = [f"{s[key]:,}" for key in ("inserts", "evictions", "admission_rejects")]
         print(row.format(name, s["module"], stored, *counts, f"{s['hit_rate']:.3f}"))
+    cached = {name: s for name, s in stats.items() if "cache_hit_rate" in s}
+    if cached:
+        row = "{:<12}{:>14}{:>16}{:>12}{:>12}{:>18}"
+        print()
+        print(row.format("table", "cache slots", "cache hit rate", "swap-ins", "swap-outs", "store rows used"))
+        for name, s in cached.items():
+            print(
+                row.format(
+                    name,
+                    f"{s['cache_slots']:,}",
+                    f"{s['cache_hit_rate']:.3f}",
+                    f"{s['swap_ins']:,}",
+                    f"{s['swap_outs']:,}",
+                    f"{s['store_rows_used']:,}",
+                )
+            )
     print(f"\nhost stage run ahead by the pipeline for: {', '.join(history['host_staged']) or 'none'}")
     if history["inline"]:
         print(f"run inline (not pipelined): {', '.join(history['inline'])}")

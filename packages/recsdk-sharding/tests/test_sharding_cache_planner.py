@@ -95,7 +95,7 @@ def test_storage_counts_each_tier_where_it_lives() -> None:
             else:
                 slots = math.ceil(lf * rows)
                 device_bytes = io + slots * ROW_BYTES  # the cache: ceil(load_factor x rows) rows
-                host_bytes = ids + cache_index_bytes(slots, "lru")
+                host_bytes = ids + cache_index_bytes(slots, rows)
                 store = rows * ROW_BYTES  # every row with its optimizer state
                 if kernel == "fused_uvm_caching":
                     host_bytes += store  # in host memory
@@ -299,12 +299,12 @@ def _bad_constraints(rank: int, world_size: int) -> dict:
     for name, (fields, ssd_cap) in cases.items():
         topology = Topology(world_size=2, compute_device="cuda", ssd_cap=ssd_cap)
         constraints = {"t0": ParameterConstraints(**fields)}  # type: ignore[arg-type]
-        planner = EmbeddingShardingPlanner(
-            topology=topology,
-            constraints=constraints,
-            enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=512, constraints=constraints),
-        )
-        try:
+        try:  # the enumerator checks the constraints when it is built (on every rank)
+            planner = EmbeddingShardingPlanner(
+                topology=topology,
+                constraints=constraints,
+                enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=512, constraints=constraints),
+            )
             plan = planner.plan(model, sharders)
             out[name] = {n: ps.compute_kernel for mp in plan.plan.values() for n, ps in mp.items()}
         except ValueError as e:
@@ -312,7 +312,7 @@ def _bad_constraints(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_bad_cache_constraints_fail_at_planning() -> None:
+def test_bad_cache_constraints_fail_when_the_enumerator_is_built() -> None:
     r = run_distributed(_bad_constraints, 1, timeout_s=120)[0]
     for name, value in (("zero", "0.0"), ("above_one", "1.5"), ("text", "'0.5'"), ("unconstrained", "-1.0")):
         message = r[name]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from sharding_models import const_init, shard
 from torch import nn
 from torchrec.distributed.planner import ParameterConstraints
+from torchrec.distributed.types import CacheParams
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -271,3 +272,38 @@ def test_a_full_table_names_the_table() -> None:
     assert all(r["error"] in ("TableFullError", "PeerFailureError") for r in results), results
     own = next(r for r in results if r["error"] == "TableFullError")
     assert "table 'item' is full" in own["message"] or "table 'user' is full" in own["message"], own
+
+
+def _cached_vs_resident(rank: int, world_size: int) -> dict:
+    runs = {}
+    for kernel in ("fused", "fused_uvm_caching"):
+        torch.manual_seed(1)
+        model = SeqNN("meta", init_fn=None)  # TorchRec's default init: the store must start as the kernel does
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.ec.parameters(), {"lr": 0.05, "eps": 0.01})
+        cache = CacheParams(load_factor=0.15) if kernel != "fused" else None
+        constraints = {
+            t: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=[kernel], cache_params=cache)
+            for t in ("item", "user")
+        }
+        ddp_model = shard(model, batch_size=GLOBAL_BATCH // 2, constraints=constraints)
+        (sec,) = sharded_hash_modules(ddp_model).values()
+        losses = []
+        for step in range(STEPS):
+            loss, _ = ddp_model(_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+            loss.backward()
+            losses.append(loss.item())
+        views = sec.table_views()
+        tables = {name: _per_id(*t.ids_and_rows(), views[name].weight) for name, t in sec.id_tables.items()}
+        runs[kernel] = (losses, tables, sec.stats())
+    (la, ta, _), (lb, tb, stats) = runs["fused"], runs["fused_uvm_caching"]
+    same = ta.keys() == tb.keys() and all(
+        ta[n].keys() == tb[n].keys() and all(torch.equal(ta[n][i], tb[n][i]) for i in ta[n]) for n in ta
+    )
+    item = stats["item"]
+    return {"losses": la == lb, "rows": same, "swap_ins": item["swap_ins"], "slots": item["cache_slots"]}
+
+
+def test_cached_unpooled_tables_train_like_resident_ones() -> None:
+    for r in run_distributed(_cached_vs_resident, 2, timeout_s=180):
+        assert r["losses"] and r["rows"]
+        assert r["swap_ins"] > r["slots"]  # the item cache was too small: rows left it and came back

@@ -63,6 +63,9 @@ class IdTable(IdTableState):
         eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table is
             full; None raises :class:`TableFullError` instead.
         name (str): table name, used in errors and statistics.
+        report_first_use (bool): :meth:`take_reassigned_rows` also reports rows handed to an id
+            for the first time, not only rows taken from evicted ids (for row stores that
+            initialise a row when it is first used, such as a file-backed store).
 
     Memory: the hash index (on CPU 16 bytes per slot, ``ceil(1.4 * capacity)`` slots, so 22.4
     bytes per row; elsewhere 4 bytes per slot, the power of two at or above ``1.5 * capacity``
@@ -84,6 +87,7 @@ class IdTable(IdTableState):
         admission: CountAdmission | None = None,
         eviction: EvictionPolicy | None = None,
         name: str = "id_table",
+        report_first_use: bool = False,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"IdTable name must be a non-empty str, got {name!r}")
@@ -97,6 +101,7 @@ class IdTable(IdTableState):
         self._device = torch.device(device)
         self._admission = admission
         self._eviction = eviction
+        self._report_first_use = bool(report_first_use)
         self._sketch: CountMinSketch | None = None
         if admission is not None and admission.threshold > 1:
             width = admission.counter_slots // admission.num_hashes
@@ -276,6 +281,8 @@ class IdTable(IdTableState):
 
     def take_reassigned_rows(self) -> torch.Tensor:
         """Rows handed to a new id after having held another one, since the last call; clears the list.
+
+        With ``report_first_use``, every row handed to a new id is reported, its first use too.
 
         The caller re-initialises these embedding rows and resets their optimizer state before
         they are looked up.
@@ -556,7 +563,7 @@ class IdTable(IdTableState):
         top = self._free_top
         rows = self._free[top - k : top].flip(0).long()
         self._free_top = top - k
-        reused = rows[self._row_state[rows] == _RETIRED]
+        reused = rows if self._report_first_use else rows[self._row_state[rows] == _RETIRED]
         if reused.numel():
             self._reassigned.append(reused)
             self._reassigned_count += reused.numel()

@@ -6,6 +6,7 @@ fused kernels and the pooled output dist over the default group.
 """
 
 from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
+from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
     CheckpointError,
@@ -26,7 +27,9 @@ from recsdk.sharding.input_dist import (
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
+from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.row_store import FileRowStore, HostRowStore, RowStore
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.sharders import (
@@ -47,18 +50,22 @@ from recsdk.sharding.shardings import (
 from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [
+    "CACHED_KERNELS",
     "CHECKPOINT_MANIFEST",
     "DEFAULT_COSTS",
+    "DEFAULT_LOAD_FACTOR",
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
     "CheckpointError",
     "FailureAgreement",
+    "FileRowStore",
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",
     "HashEmbeddingCollectionContext",
     "HashEmbeddingCollectionSharder",
+    "HostRowStore",
     "HostRwPooledEmbeddingSharding",
     "HostRwSequenceEmbeddingSharding",
     "HostShardedModule",
@@ -76,11 +83,15 @@ __all__ = [
     "OwnerSparseFeaturesDist",
     "PeerFailureError",
     "RowLedger",
+    "RowStore",
     "ShardCost",
     "ShardedHashEmbeddingBagCollection",
     "ShardedHashEmbeddingCollection",
+    "TableCache",
+    "TableCacheSpec",
     "TableViews",
     "bucketize_by_owner",
+    "cache_specs",
     "export_embeddings",
     "get_default_hybrid_sharders",
     "id_table_bytes",

@@ -7,7 +7,7 @@ or write what TorchRec does not publish. A TorchRec upgrade touches this file on
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -164,3 +164,13 @@ def num_features(sharding: Any) -> int:
 def quantized_comms(output_dist: Any) -> bool:
     """Whether a TorchRec pooled output dist was given quantized-comm codecs (``_codecs``)."""
     return output_dist._codecs is not None
+
+
+def user_sharding_plan(module: Any, plan: Mapping[str, Any]) -> Any:
+    """``module_sharding_plan`` set back to the user's plan for the module's tables.
+
+    TorchRec's constructor sets it from the plan it was given; a module with cached tables gave
+    it the kernels' plan (``cache_plan.device_plan``), and keeps the user's, which says where the
+    stores' rows are.
+    """
+    return {name: plan[name] for name in module.module_sharding_plan}

@@ -27,14 +27,17 @@ from torchrec.distributed.types import LazyAwaitable, ParameterSharding
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.embedding import IdTable
+from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import FailureAgreement
+from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.context import HostStageState
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.input_guard import guard_input
+from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.row_store import create_store
 from recsdk.sharding.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 
 __all__ = ["HostShardedModule", "HostShards", "sharded_hash_modules"]
@@ -58,6 +61,10 @@ class HostShards:
         prefix (str): the parameter prefix (``"embedding_bags."`` or ``"embeddings."``).
         pooled (bool): bag tables, or unpooled tables (one embedding per id).
         device (torch.device | None): the lookup device (``meta``: no rows yet).
+        configs (dict[str, BaseEmbeddingConfig]): every table's config, as the user gave it (a
+            cached table's kernel was built from a copy with the cache's rows).
+        cached (dict[str, TableCacheSpec]): the tables with a device cache over a row store.
+        module_fqn (str | None): the module's name in the model (the file stores' names).
     """
 
     def __init__(
@@ -74,9 +81,12 @@ class HostShards:
         prefix: str,
         pooled: bool,
         device: torch.device | None,
+        configs: dict[str, BaseEmbeddingConfig],
+        cached: dict[str, TableCacheSpec],
+        module_fqn: str | None = None,
     ) -> None:
         self.host_pg = host_pg
-        self.configs: dict[str, BaseEmbeddingConfig] = compat.table_configs(module)
+        self.configs = dict(configs)
         self.prefix = prefix
         self._features = list(features)
         self._name = name
@@ -84,25 +94,93 @@ class HostShards:
         self._pooled = pooled
         self._device = device
         self._host_adam = host_adam
-        self.stage = IdMappingStage.for_shards(compat.local_shards(module), self.configs, plan, rank)
+        lazy = [n for n, spec in cached.items() if spec.store == "file"]
+        self.stage = IdMappingStage.for_shards(compat.local_shards(module), self.configs, plan, rank, first_use=lazy)
         self.ledger = RowLedger(self.stage.id_tables, self.stage.lock)
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
         self._missing: list[torch.Tensor | None] = []  # the computing batch's ids without a row
+        self._kernel_rows: dict[str, torch.Tensor] = {}  # the computing batch's rows in the kernel, per table
         lookups = compat.fused_lookups(module)
         for i, lookup in enumerate(lookups):
             lookup.register_forward_hook(lambda _m, _in, out, i=i: self._after_lookup(i, out))
-        self._views: dict[str, TableViews] | None = None
+        self._kernel: dict[str, TableViews] | None = None
+        self.caches: dict[str, TableCache] = {}
         if device is None or device.type != "meta":
             views = fused_table_views(lookups)
-            init_all_rows_({n: views[n] for n in self.stage.id_tables}, self.configs)
             compat.replace_fused_optimizer(module, host_adam.install(module.fused_optimizer, views))  # type: ignore[arg-type]
-            self._views = host_adam.views(views)
+            self._kernel = host_adam.views(views)
+            pin = device is not None and device.type == "cuda"  # the stores of a CUDA cache: page-locked
+            self.caches = self._create_caches(cached, rank, module_fqn, pin=pin)
+            self.init_rows()
+
+    def _create_caches(
+        self, cached: dict[str, TableCacheSpec], rank: int, module_fqn: str | None, *, pin: bool
+    ) -> dict[str, TableCache]:
+        """A row store and its device cache per cached table shard on this rank (agreed: a rank
+        whose store cannot be created fails every rank)."""
+        kernel = self.kernel
+        caches: dict[str, TableCache] = {}
+        error: Exception | None = None
+        try:
+            for name, table in self.stage.id_tables.items():
+                spec = cached.get(name)
+                if spec is None:
+                    continue
+                store = create_store(
+                    spec.store,
+                    table.capacity,
+                    kernel[name],
+                    table=name,
+                    directory=spec.directory,
+                    rank=rank,
+                    name=f"{module_fqn}.{name}" if module_fqn else name,
+                    pin=pin,
+                )
+                caches[name] = TableCache(name, store, kernel[name], algorithm=spec.algorithm, rank=rank)
+        except Exception as e:  # shared with the other ranks, then re-raised
+            error = e
+        FailureAgreement(self.host_pg, what="creating the row stores").check(error)
+        return caches
+
+    def init_rows(self) -> None:
+        """Every row's embedding as its config's ``init_fn`` makes it: the kernel's rows of resident
+        tables, the store of a host-memory cached table (its cache fills from it); in a file store,
+        the rows ids hold (the others are initialised at first use)."""
+        kernel = self.kernel
+        every_row: dict[str, TableViews] = {}
+        for name, table in self.stage.id_tables.items():
+            cache = self.caches.get(name)
+            if cache is None:
+                every_row[name] = kernel[name]
+                continue
+            cache.flush()
+            if cache.store.lazy_init:
+                init_rows_(cache.store.views.weight, table.ids_and_rows()[1], self.configs[name])
+            else:
+                every_row[name] = cache.store.views
+        init_all_rows_(every_row, self.configs)
+
+    @property
+    def has_rows(self) -> bool:
+        """Whether the module has rows (it is not on the meta device)."""
+        return self._kernel is not None
+
+    @property
+    def kernel(self) -> dict[str, TableViews]:
+        """Per local table, the fused kernel's rows (a cached table's: its cache slots)."""
+        if self._kernel is None:
+            raise RuntimeError(f"the sharded {self._name} is on the meta device: it has no rows")
+        return self._kernel
 
     @property
     def views(self) -> dict[str, TableViews]:
-        if self._views is None:
-            raise RuntimeError(f"the sharded {self._name} is on the meta device: it has no rows")
-        return self._views
+        """Per local table, all its rows: the kernel's, or a cached table's store after a flush
+        (every changed cache row written back; the cache starts empty again)."""
+        views = dict(self.kernel)
+        for name, cache in self.caches.items():
+            cache.flush()
+            views[name] = cache.store.views
+        return views
 
     def guard(self, ctx: HostStageState, features: Any) -> KeyedJaggedTensor:
         """The batch to send through the input dist (see :mod:`~recsdk.sharding.input_guard`)."""
@@ -126,6 +204,7 @@ class HostShards:
             try:
                 batch = self.stage.map(dist_input, ctx.token, self.ledger, training, pooled=self._pooled)
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
+                ctx.cache_rows = [self._distinct_cached_rows(kjt) for kjt in mapped]
                 if ahead:
                     self.ledger.hold(ctx.token, ctx.batch_rows)
             except Exception as e:  # shared with the other ranks, then re-raised
@@ -147,16 +226,78 @@ class HostShards:
         # The previous batch's backward has run: its rows may be evicted by this batch's mapping.
         self.ledger.release_finished()
         kjts = self.map(ctx, dist_input, ahead=False, training=training)
-        views = self.views
+        kernel = self.kernel
         for name, rows in self.ledger.start_compute(ctx.token).items():
-            reset_rows_(views[name], rows, self.configs[name])
+            cache = self.caches.get(name)
+            if cache is None:
+                reset_rows_(kernel[name], rows, self.configs[name])
+            else:  # reset where the row lives; the cache takes it from there when it is used
+                cache.forget(rows)
+                reset_rows_(cache.store.views, rows, self.configs[name])
+        self._kernel_rows = dict(ctx.batch_rows)
+        if self.caches:
+            distinct = ctx.cache_rows
+            kjts = KJTList([self._to_slots(kjt, rows, training) for kjt, rows in zip(kjts, distinct, strict=True)])
+            for name, cache in self.caches.items():
+                if name in ctx.batch_rows:
+                    self._kernel_rows[name] = cache.slots_of(ctx.batch_rows[name])
         self._missing = ctx.missing
         return kjts
 
     def end_compute(self, ctx: HostStageState, awaitable: LazyAwaitable[Any], training: bool) -> None:
         """After the lookups were issued: the CPU Adam's watch of a training batch."""
         if training and torch.is_grad_enabled():
-            self._host_adam.watch(awaitable, ctx.batch_rows)
+            self._host_adam.watch(awaitable, self._kernel_rows)
+
+    def _to_slots(
+        self, kjt: KeyedJaggedTensor, distinct: dict[str, tuple[torch.Tensor, torch.Tensor]], training: bool
+    ) -> KeyedJaggedTensor:
+        """A KJT of store rows with the rows of cached tables replaced by their cache slots
+        (``distinct``: per cached table, the distinct rows and inverse the host stage found)."""
+        if not distinct:
+            return kjt
+        segments = self._cached_segments(kjt)
+        values = kjt.values()
+        rows = values.to("cpu", copy=True)
+        for table, segs in segments.items():
+            uniq, inverse = distinct[table]
+            slots = self.caches[table].to_slots(uniq, training=training).index_select(0, inverse)
+            offset = 0
+            for a, b in segs:
+                rows[a:b] = slots[offset : offset + b - a]
+                offset += b - a
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=rows.to(values.device),
+            weights=kjt.weights_or_none(),
+            lengths=kjt.lengths(),
+            stride=kjt.stride(),
+        )
+
+    def _cached_segments(self, kjt: KeyedJaggedTensor) -> dict[str, list[tuple[int, int]]]:
+        """Per cached table, the ``[start, end)`` ranges of its features' values in ``kjt``."""
+        segments: dict[str, list[tuple[int, int]]] = {}
+        if not self.caches or kjt.values().numel() == 0:
+            return segments
+        start = 0
+        for key, n in zip(kjt.keys(), kjt.length_per_key(), strict=True):
+            table = self.stage.table_of(key)
+            if n > 0 and table in self.caches:
+                segments.setdefault(table, []).append((start, start + n))
+            start += n
+        return segments
+
+    def _distinct_cached_rows(self, kjt: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per cached table, the distinct store rows ``kjt`` looks up and the inverse; each must fit
+        its device cache (raises ``TableFullError`` naming the table otherwise)."""
+        values = kjt.values()
+        out = {}
+        for table, segs in self._cached_segments(kjt).items():
+            rows = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
+            uniq, inverse = torch.unique(rows, return_inverse=True)
+            self.caches[table].check_fits(uniq.numel())
+            out[table] = (uniq, inverse)
+        return out
 
     def _after_lookup(self, i: int, output: torch.Tensor) -> torch.Tensor | None:
         # The first collective a rank whose host stage failed would not join is the output dist.
@@ -208,9 +349,27 @@ class HostShardedModule:
         """The table's key in ``fused_optimizer.params`` and the state dict."""
         return f"{self._shards.prefix}{table}.weight"
 
+    def kernel_rows(self, table: str) -> int:
+        """Rows the fused kernel holds of the table on this rank (a cached table's: its cache slots)."""
+        return int(self._shards.kernel[table].weight.shape[0])
+
     def stats(self) -> dict[str, dict[str, float]]:
-        """Per table statistics of this rank's shards (see ``IdTable.stats``)."""
-        return {name: table.stats() for name, table in self.id_tables.items()}
+        """Per table statistics of this rank's shards: ``IdTable.stats``, and for a cached table
+        its cache's (``cache_hit_rate``, ``swap_ins``, ``swap_outs``, ``store_rows``, ... see
+        ``TableCache.stats``; ``store_rows_used`` is the id table's ``size``)."""
+        out = {name: table.stats() for name, table in self.id_tables.items()}
+        for name, cache in self._shards.caches.items():
+            out[name].update(cache.stats())
+            out[name]["store_rows_used"] = len(self.id_tables[name])
+        return out
+
+    def reset_parameters(self) -> None:
+        """Every row fresh, as its config's ``init_fn`` makes it (recsdk initialises the rows, in the
+        kernel or a cached table's store; the id tables keep their ids). TorchRec's constructor
+        calls this before the host parts exist: it does nothing then."""
+        shards = getattr(self, "_shards", None)
+        if shards is not None and shards.has_rows:
+            shards.init_rows()
 
     def host_input_groups(self) -> list[dist.ProcessGroup]:
         """The groups of its input dists' id all-to-alls (the pipeline's host-staged protocol)."""

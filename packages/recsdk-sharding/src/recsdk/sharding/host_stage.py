@@ -100,26 +100,33 @@ class IdMappingStage:
         configs: Mapping[str, BaseEmbeddingConfig],
         plan: Mapping[str, ParameterSharding],
         rank: int,
+        first_use: Iterable[str] = (),
     ) -> IdMappingStage:
-        """A stage with one id table per local shard, sized to the shard's rows, with the
-        table's admission and eviction (hash configs) or none (plain configs).
+        """A stage with one id table per local shard, sized to the shard's rows in ``plan``, with
+        the table's admission and eviction (hash configs) or none (plain configs).
 
         Args:
             shards (Iterable[ShardedEmbeddingTable]): this rank's table shards.
             configs (Mapping[str, BaseEmbeddingConfig]): every table's config by name.
-            plan (Mapping[str, ParameterSharding]): the module's sharding plan.
+            plan (Mapping[str, ParameterSharding]): the module's sharding plan (a cached table's
+                shard has the rows of its store, not of the fused kernel).
             rank (int): this rank.
+            first_use (Iterable[str]): tables whose rows are initialised at first use (their id
+                tables report first-use rows as reassigned: ``IdTable(report_first_use=True)``).
         """
+        lazy = set(first_use)
         id_tables, infos = {}, {}
         for table in shards:
             cfg = configs[table.name]
             infos[table.name] = ShardInfo(cfg.name, cfg.num_embeddings, str(plan[table.name].sharding_type), rank)
+            spec = plan[table.name].sharding_spec
             id_tables[table.name] = IdTable(
-                table.local_rows,
+                sum(int(s.shard_sizes[0]) for s in spec.shards if s.placement.rank() == rank),  # type: ignore[union-attr]
                 device="cpu",
                 admission=getattr(cfg, "admission", None),
                 eviction=getattr(cfg, "eviction", None),
                 name=f"{cfg.name}@rank{rank}",
+                report_first_use=table.name in lazy,
             )
         feature_to_table = {f: c.name for c in configs.values() for f in c.feature_names}
         return cls(id_tables, infos, feature_to_table)
@@ -128,6 +135,10 @@ class IdMappingStage:
     def id_tables(self) -> dict[str, IdTable]:
         """This rank's id table per table shard (table name -> IdTable)."""
         return self._tables
+
+    def table_of(self, feature: str) -> str:
+        """The table a feature looks up."""
+        return self._feature_to_table[feature]
 
     @property
     def lock(self) -> threading.RLock:

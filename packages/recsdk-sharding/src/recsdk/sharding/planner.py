@@ -62,8 +62,6 @@ from recsdk.embedding import (
     HashEmbeddingBagCollection,
     HashEmbeddingCollection,
     IdTable,
-    LFUEviction,
-    LRUEviction,
     slot_index,
 )
 from recsdk.sharding.cache_plan import CACHED_KERNELS
@@ -74,10 +72,10 @@ from recsdk.sharding.cost_model import (
     option_cache,
     planned_cache,
 )
+from recsdk.sharding.row_cache import TableCache
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "cache_index_bytes", "id_table_bytes"]
 
-CACHE_SLOT_BYTES = 9
 """Per cache slot, beside its id table: the store row it holds (int64) and whether it changed (bool)."""
 
 
@@ -101,16 +99,15 @@ def id_table_bytes(rows: int, config: BaseEmbeddingConfig) -> int:
     return _host_table_bytes(rows, admission=admission, eviction=eviction, name=config.name)
 
 
-def cache_index_bytes(slots: int, algorithm: str) -> int:
-    """Host bytes of a device cache's index over ``slots`` cache rows (``TableCache``: an id table
-    keyed by store row with the cache's eviction, and :data:`CACHE_SLOT_BYTES` per slot).
+def cache_index_bytes(slots: int, rows: int) -> int:
+    """Host bytes of a device cache's bookkeeping (``TableCache.host_bytes``): per slot its store
+    row, last use, use count and free-stack entry; per store row its slot (at most).
 
     Args:
         slots (int): the cache's rows.
-        algorithm (str): ``"lru"`` or ``"lfu"``.
+        rows (int): the shard's store rows.
     """
-    eviction = LFUEviction() if algorithm == "lfu" else LRUEviction()
-    return _host_table_bytes(slots, eviction=eviction, name="device cache") + CACHE_SLOT_BYTES * slots
+    return TableCache.host_bytes(slots, rows)
 
 
 class IdTableStorageEstimator(EmbeddingStorageEstimator):
@@ -172,7 +169,7 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
                 if cache is not None:  # the cache on the device, the store in DDR or on SSD
                     storage = Storage(
                         hbm=storage.hbm,
-                        ddr=storage.ddr + cache_index_bytes(cache.slots(rows[i]), cache.algorithm),
+                        ddr=storage.ddr + cache_index_bytes(cache.slots(rows[i]), rows[i]),
                         ssd=storage.ssd,
                     )
                     if cache.store == "host":
@@ -181,6 +178,12 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
                         storage.ssd += store[i]
                 storage.ddr += id_table_bytes(rows[i], config)
                 shard.storage = storage
+
+
+def _table_names(module: HashEmbeddingBagCollection | HashEmbeddingCollection) -> list[str]:
+    if isinstance(module, HashEmbeddingBagCollection):
+        return [c.name for c in module.embedding_bag_configs()]
+    return [c.name for c in module.embedding_configs()]
 
 
 def _hash_table_config(option: ShardingOption) -> BaseEmbeddingConfig | None:
@@ -232,10 +235,37 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
             ]
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)  # type: ignore[arg-type]
         self._ssd_caps = [device.storage.ssd for device in topology.devices]
+        self._hash_tables: set[str] = set()  # of the module being enumerated
+        # Here, not in enumerate: every rank builds the enumerator, while TorchRec's collective_plan
+        # plans on rank 0 only (an error there would leave the others waiting in its broadcast).
+        for name, constraint in (constraints or {}).items():
+            self._check_cache(name, f"table {name!r}", constraint, self._cached_kernels_allowed(constraint))
 
     def enumerate(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> list[ShardingOption]:
+        self._hash_tables = {
+            name
+            for child in module.modules()
+            if isinstance(child, HashEmbeddingBagCollection | HashEmbeddingCollection)
+            for name in _table_names(child)
+        }
         self._check_constraints(module, sharders)
         return super().enumerate(module, sharders)
+
+    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str], sharding_type: str) -> list[str]:
+        """TorchRec's filter, over the kernels of :meth:`_kernels_of`."""
+        kernels = self._kernels_of(name, allowed_compute_kernels)
+        return super()._filter_compute_kernels(name, kernels, sharding_type)  # type: ignore[no-any-return]
+
+    def _kernels_of(self, name: str, offered: list[str]) -> list[str]:
+        """The kernels a table's sharder offers, plus on a CPU topology, for a hash table, the cached
+        kernels its constraint names: recsdk's sharders offer them off CPU only (there the cache
+        and its store would both be host memory, never a better fit than ``fused``), as
+        TorchRec's do, so that TorchRec's own estimators never meet them on CPU."""
+        constraint = self._constraints.get(name) if self._constraints else None
+        if self._compute_device != "cpu" or constraint is None or name not in self._hash_tables:
+            return offered
+        named = [k for k in constraint.compute_kernels or () if k in CACHED_KERNELS and k not in offered]
+        return [*offered, *named]
 
     def _check_constraints(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> None:
         if not self._constraints:
@@ -261,18 +291,23 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
                         )
                 else:
                     usable = supported
-                kernels = {k for t in usable for k in sharder.compute_kernels(t, self._compute_device)}
-                if constraint.compute_kernels:
-                    if not kernels.intersection(constraint.compute_kernels):
-                        raise ValueError(
-                            f"{what}: constraint compute_kernels={constraint.compute_kernels} cannot be met on "
-                            f"compute device {self._compute_device!r}; supported: {sorted(kernels)}"
-                        )
-                    kernels.intersection_update(constraint.compute_kernels)
-                else:  # TorchRec enumerates its guarded kernels (key_value) only when a constraint names them
-                    kernels.difference_update(k.value for k in GUARDED_COMPUTE_KERNELS)
-                if isinstance(child, (HashEmbeddingBagCollection, HashEmbeddingCollection)):
-                    self._check_cache(name, what, constraint, kernels)
+                offered = [sharder.compute_kernels(t, self._compute_device) for t in usable]
+                kernels = {k for per_type in offered for k in self._kernels_of(name, per_type)}
+                if constraint.compute_kernels and not kernels.intersection(constraint.compute_kernels):
+                    raise ValueError(
+                        f"{what}: constraint compute_kernels={constraint.compute_kernels} cannot be met on "
+                        f"compute device {self._compute_device!r}; supported: {sorted(kernels)}"
+                    )
+
+    def _cached_kernels_allowed(self, constraint: ParameterConstraints) -> set[str]:
+        """The cached kernels the planner may pick under ``constraint``: those it names, else
+        ``fused_uvm_caching`` off CPU (TorchRec enumerates its guarded ``key_value`` only when
+        named; on CPU recsdk offers no cached kernel unless named)."""
+        if constraint.compute_kernels:
+            return set(constraint.compute_kernels).intersection(CACHED_KERNELS)
+        if self._compute_device == "cpu":
+            return set()
+        return set(CACHED_KERNELS).difference(k.value for k in GUARDED_COMPUTE_KERNELS)
 
     def _check_cache(self, name: str, what: str, constraint: ParameterConstraints, kernels: set[str]) -> None:
         """Raise unless every cached kernel the planner may pick for hash table ``name`` can be built."""

@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_shards import HostShardedModule, HostShards
@@ -71,19 +72,32 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         # Inputs of the base constructor's hooks (create_embedding_bag_sharding and
         # create_grouped_sharding_infos), which only read them.
         self._host_pg = host_env.process_group
+        # Cached tables: TorchRec builds their kernels with the cache's rows (cache_plan.py).
+        kernel_module, kernel_plan, cached = kernel_inputs(
+            module,
+            table_name_to_parameter_sharding,
+            module.embedding_bag_configs(),
+            lambda c: HashEmbeddingBagCollection(tables=c, device="meta", is_weighted=module.is_weighted()),
+        )
         infos = ShardedEmbeddingBagCollection.create_grouped_sharding_infos(
-            module, table_name_to_parameter_sharding, _PREFIX, fused_params
+            kernel_module, kernel_plan, _PREFIX, fused_params
         )
         self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
-        super().__init__(
-            module=module,
-            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
-            env=env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
+        # The kernels' own initialisation draws random numbers by their size; recsdk initialises
+        # the rows itself (HostShards), from the generator as it was before: a cached table then
+        # starts with the all-resident table's rows.
+        with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+            super().__init__(
+                module=kernel_module,
+                table_name_to_parameter_sharding=kernel_plan,
+                env=env,
+                fused_params=fused_params,
+                device=device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                module_fqn=module_fqn,
+            )
+        if cached:  # the user's plan: what checkpoints lay the stores out by
+            self.module_sharding_plan = compat.user_sharding_plan(self, table_name_to_parameter_sharding)
         self._shards = HostShards(
             self,
             plan=table_name_to_parameter_sharding,
@@ -96,6 +110,9 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             prefix=_PREFIX,
             pooled=True,
             device=device,
+            configs={c.name: c for c in module.embedding_bag_configs()},
+            cached=cached,
+            module_fqn=module_fqn,
         )
 
     # ---- TorchRec's hooks

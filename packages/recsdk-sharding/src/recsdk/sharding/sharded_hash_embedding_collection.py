@@ -19,6 +19,8 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsdk.embedding import HashEmbeddingCollection
+from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingCollectionContext
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_shards import HostShardedModule, HostShards
@@ -65,19 +67,30 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         # Inputs of the base constructor's hooks (create_embedding_sharding and
         # create_grouped_sharding_infos), which only read them.
         self._host_pg = host_env.process_group
-        infos = ShardedEmbeddingCollection.create_grouped_sharding_infos(
-            module, table_name_to_parameter_sharding, fused_params
+        # Cached tables: TorchRec builds their kernels with the cache's rows (cache_plan.py).
+        kernel_module, kernel_plan, cached = kernel_inputs(
+            module,
+            table_name_to_parameter_sharding,
+            module.embedding_configs(),
+            lambda c: HashEmbeddingCollection(tables=c, device="meta", need_indices=module.need_indices()),
         )
+        infos = ShardedEmbeddingCollection.create_grouped_sharding_infos(kernel_module, kernel_plan, fused_params)
         self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
-        super().__init__(
-            module=module,
-            table_name_to_parameter_sharding=table_name_to_parameter_sharding,
-            env=env,
-            fused_params=fused_params,
-            device=device,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
+        # The kernels' own initialisation draws random numbers by their size; recsdk initialises
+        # the rows itself (HostShards), from the generator as it was before: a cached table then
+        # starts with the all-resident table's rows.
+        with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+            super().__init__(
+                module=kernel_module,
+                table_name_to_parameter_sharding=kernel_plan,
+                env=env,
+                fused_params=fused_params,
+                device=device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                module_fqn=module_fqn,
+            )
+        if cached:  # the user's plan: what checkpoints lay the stores out by
+            self.module_sharding_plan = compat.user_sharding_plan(self, table_name_to_parameter_sharding)
         self._shards = HostShards(
             self,
             plan=table_name_to_parameter_sharding,
@@ -90,6 +103,9 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
             prefix=_PREFIX,
             pooled=False,
             device=device,
+            configs={c.name: c for c in module.embedding_configs()},
+            cached=cached,
+            module_fqn=module_fqn,
         )
 
     # ---- TorchRec's hooks

@@ -18,6 +18,7 @@ from torchrec.distributed.types import ModuleSharder, ParameterSharding, Shardin
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
+from recsdk.sharding.cache_plan import CACHED_KERNELS
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
@@ -103,7 +104,13 @@ class _HostSharder:
         return list(HOST_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return [EmbeddingComputeKernel.FUSED.value]
+        # fused: every row in the kernel; the cached kernels: a device cache over a row store in
+        # host memory (fused_uvm_caching) or in files (key_value), see cache_plan.py. Offered off
+        # CPU, as TorchRec's sharders do; on CPU, HybridEmbeddingEnumerator adds the ones a
+        # constraint names (TorchRec's estimators cannot price them on CPU).
+        if compute_device_type == "cpu":
+            return [EmbeddingComputeKernel.FUSED.value]
+        return [EmbeddingComputeKernel.FUSED.value, *CACHED_KERNELS]
 
 
 class HashEmbeddingBagCollectionSharder(_HostSharder, EmbeddingBagCollectionSharder):

@@ -68,6 +68,7 @@ class HashModule(Protocol):
     def fused_optimizer(self) -> KeyedOptimizer: ...
     def table_views(self) -> dict[str, TableViews]: ...
     def parameter_key(self, table: str) -> str: ...
+    def kernel_rows(self, table: str) -> int: ...
     def release_finished_pins(self) -> None: ...
 
 
@@ -158,12 +159,12 @@ def fused_counters(module: HashModule) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in module.id_tables:
         param = optimizer.params.get(module.parameter_key(name))
-        rows = views[name].weight.shape[0]
+        per_row = {views[name].weight.shape[0], module.kernel_rows(name)}  # a cached table's store and cache
         found = {}
         for skey, value in (state.get(param, {}) if param is not None else {}).items():
             if compat.is_sharded_tensor(value) or not isinstance(value, torch.Tensor):
                 continue
-            if value.dim() >= 1 and value.shape[0] == rows:
+            if value.dim() >= 1 and value.shape[0] in per_row:
                 continue
             found[skey] = value
         out[name] = found
