@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from recsdk.embedding import (
     TableFullError,
     TTLEviction,
     fmix64,
+    slot_index,
 )
 from recsdk.embedding.hashing import fmix64_reference
 
@@ -365,16 +369,117 @@ def test_meta_table_allocates_nothing_and_refuses_lookups() -> None:
 
 def test_bytes_per_row_stay_under_48_at_8m_capacity(index_kind: str) -> None:
     capacity = 8 << 20
-    if index_kind == "fbgemm":  # CPU: 1.4 slots of 16 bytes per row, whatever the capacity
+    if index_kind == "fbgemm":  # CPU: at most 1.4 slots of 16 bytes per row, whatever the capacity
         table = IdTable(capacity, eviction=LFUEviction())
-        assert table.num_slots == -(-capacity * 14 // 10)
-        assert table.memory_bytes / capacity <= 48
+        full_index = slot_index.index_bytes(capacity, torch.device("cpu"))  # the index grown to full size
+        assert full_index == -(-capacity * 14 // 10) * 16
+        assert (table.memory_bytes - table._index.memory_bytes + full_index) / capacity <= 48
         return
     table = IdTable(capacity, device="meta", eviction=LFUEviction())
     assert table.memory_bytes / capacity <= 48
     worst = IdTable((1 << 22) // 3 * 2 + 1, device="meta")  # 1.5x capacity just above 2**22: 12 slot bytes per row
     assert worst.num_slots == 1 << 23
     assert worst.memory_bytes / worst.capacity <= 48
+
+
+def test_hash_index_grows_with_the_stored_ids() -> None:
+    capacity = 1_000_000
+    table = IdTable(capacity, eviction=LRUEviction(), name="grows")
+    full = type(table._index).slots_for(capacity)
+    first = _random_ids(1000, 0)
+    model = dict(zip(first.tolist(), table.find_or_insert(first).tolist(), strict=True))  # id -> row
+    assert table.num_slots * 10 < full  # sized for the ids stored, not for the capacity
+    sizes = {table.num_slots}
+    for step, batch in enumerate(_random_ids(250_000, 1).split(5_000)):
+        model.update(zip(batch.tolist(), table.find_or_insert(batch).tolist(), strict=True))
+        if step % 4 == 3:  # tombstones through growth
+            gone = batch[:2_000]
+            table.remove(gone)
+            for x in gone.tolist():
+                del model[x]
+        if table.num_slots not in sizes:  # just grown: every id still maps to its row
+            sizes.add(table.num_slots)
+            assert table.find(torch.tensor(list(model))).tolist() == list(model.values())
+    assert len(sizes) >= 3 and max(sizes) <= full
+    assert table.find(torch.tensor(list(model))).tolist() == list(model.values())
+    assert len(table) == len(model) == len(set(model.values()))
+    # Never past the full size: filling this table grows its index once, to exactly slots_for(capacity).
+    filled = IdTable(120_000, name="filled")
+    ids = _random_ids(120_000, 2)
+    rows = filled.find_or_insert(ids)
+    assert filled.num_slots == type(filled._index).slots_for(120_000)
+    assert torch.equal(filled.find(ids), rows)
+
+
+def test_rows_go_out_in_order_freed_rows_first() -> None:
+    """0, 1, 2, ... for rows never used; a freed row goes out before them, the last freed first."""
+    table = IdTable(8, eviction=LRUEviction())
+    assert table.find_or_insert(torch.tensor([10, 11, 12])).tolist() == [0, 1, 2]
+    table.remove(torch.tensor([12, 10]))  # frees rows 0 then 2
+    assert table.state_dict()["free_rows"].tolist() == [7, 6, 5, 4, 3, 0, 2]
+    assert table.find_or_insert(torch.tensor([20, 21, 22])).tolist() == [2, 0, 3]
+    # A loaded stack goes out from its top, whatever its order; retired rows are reported.
+    sd = dict(
+        table.state_dict(),
+        ids=torch.tensor([1, 2, 3]),
+        rows=torch.tensor([0, 1, 2]),
+        last_step=torch.zeros(3, dtype=torch.int64),
+        freq=torch.ones(3, dtype=torch.int64),
+        free_rows=torch.tensor([7, 6, 4, 3, 5]),
+        retired_rows=torch.tensor([5, 6]),
+        reassigned_rows=torch.zeros(0, dtype=torch.int64),
+    )
+    loaded = IdTable(8, eviction=LRUEviction())
+    loaded.load_state_dict(sd)
+    after = loaded.state_dict()
+    assert after["free_rows"].tolist() == [7, 6, 4, 3, 5] and after["retired_rows"].tolist() == [5, 6]
+    assert loaded.find_or_insert(torch.tensor([40, 41, 42, 43, 44])).tolist() == [5, 3, 4, 6, 7]
+    assert loaded.take_reassigned_rows().tolist() == [5, 6]
+    # insert_at takes its rows out of the order, the others keep theirs.
+    placed = IdTable(8)
+    placed.insert_at(torch.tensor([50, 51]), torch.tensor([5, 2]))
+    assert placed.state_dict()["free_rows"].tolist() == [7, 6, 4, 3, 1, 0]
+    assert placed.find_or_insert(torch.tensor([60, 61, 62, 63, 64, 65])).tolist() == [0, 1, 3, 4, 6, 7]
+    # After rebuild every other row is reported when it goes out, rows above an insert_at too.
+    rebuilt = IdTable(8)
+    one = torch.ones(2, dtype=torch.int64)
+    rebuilt.rebuild(torch.tensor([70, 71]), last_step=0 * one, freq=one, step=0)
+    rebuilt.insert_at(torch.tensor([72]), torch.tensor([5]))
+    assert rebuilt.state_dict()["retired_rows"].tolist() == [2, 3, 4, 6, 7]
+    assert rebuilt.find_or_insert(torch.tensor([80, 81, 82, 83, 84])).tolist() == [2, 3, 4, 6, 7]
+    assert rebuilt.take_reassigned_rows().tolist() == [2, 3, 4, 6, 7]
+
+
+@pytest.mark.parametrize("report_first_use", [False, True])
+def test_report_first_use_adds_rows_handed_out_for_the_first_time(report_first_use: bool) -> None:
+    table = IdTable(4, eviction=LRUEviction(), report_first_use=report_first_use)
+    assert table.find_or_insert(torch.tensor([1, 2, 3])).tolist() == [0, 1, 2]
+    assert table.take_reassigned_rows().tolist() == ([0, 1, 2] if report_first_use else [])
+    assert table.find_or_insert(torch.tensor([4, 5])).tolist() == [0, 3]  # id 1's row 0 evicted, row 3 new
+    assert table.take_reassigned_rows().tolist() == ([0, 3] if report_first_use else [0])
+    table.remove(torch.tensor([5]))
+    assert table.find_or_insert(torch.tensor([6])).tolist() == [3]
+    assert table.take_reassigned_rows().tolist() == [3]  # reassigned: reported either way
+
+
+def _rss_anon() -> int:
+    """This process's anonymous resident memory (bytes), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc/self/status (Linux)")
+def test_resident_memory_follows_the_rows_in_use_not_the_capacity() -> None:
+    capacity = 50_000_000
+    full = slot_index.index_bytes(capacity, torch.device("cpu")) + 25 * capacity  # index and per-row arrays
+    gc.collect()
+    before = _rss_anon()
+    table = IdTable(capacity, eviction=LRUEviction(), name="large")
+    built = _rss_anon() - before
+    table.find_or_insert(_random_ids(10_000, 0))
+    used = _rss_anon() - before
+    assert built < full / 100 and used < full / 100, (built, used, full)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -5,16 +5,22 @@ Layout (all torch tensors on the table's device, so every operation is whole-bat
 * a hash index from id to row (:mod:`recsdk.embedding.slot_index`): on CPU, FBGEMM's native
   pruned-hashmap kernels (linear probing over ``(key, row)`` pairs, 1.4 slots per row); on other
   devices, double hashing in torch ops over int32 slots (a power of two, at least 1.5 slots per
-  row). Occupancy lives in the per-row state, never in the key alone, so every int64 value is a
-  valid id. Removal leaves a tombstone, and the table rehashes when stored ids plus tombstones
-  pass 80% (torch index) or 90% (FBGEMM index) of the slots.
+  row, once grown to full size). Occupancy lives in the per-row state, never in the key alone, so
+  every int64 value is a valid id. Removal leaves a tombstone, and the table rehashes when stored
+  ids plus tombstones pass 80% (torch index) or 90% (FBGEMM index) of the slots; the index starts
+  small, and a rehash doubles it when stored ids would fill more than half of it.
 * per row: ``row_id`` (int64), ``row_state`` (int8: never used / occupied / freed after use),
-  ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts), and a
-  stack of free rows (int32).
+  ``last_step`` and ``freq`` (int32 eviction metadata), ``pins`` (int32 reference counts); on CPU
+  anonymous memory maps, so a page becomes resident when a row on it is first written.
+* the free rows: a high-water mark below which every row handed out so far lies (the rows at and
+  above it were never handed out and go out in ascending order), and a stack (int32) of the other
+  free rows, all below the mark, handed out first. Scans of the per-row arrays cover only the rows
+  below the mark.
 """
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -67,10 +73,17 @@ class IdTable(IdTableState):
             for the first time, not only rows taken from evicted ids (for row stores that
             initialise a row when it is first used, such as a file-backed store).
 
-    Memory: the hash index (on CPU 16 bytes per slot, ``ceil(1.4 * capacity)`` slots, so 22.4
-    bytes per row; elsewhere 4 bytes per slot, the power of two at or above ``1.5 * capacity``
-    slots, so 6 to 12 bytes per row) plus 25 bytes per row, plus the admission counters
-    (``4 * counter_slots`` bytes, fixed). :attr:`memory_bytes` gives the exact figure.
+    Memory: resident memory follows the rows the table uses, not its capacity. The hash index
+    starts with the slots of a table of ``min(capacity, 65536)`` rows and doubles whenever the
+    stored ids would fill more than half of them, up to its full size: on CPU 16 bytes per slot,
+    ``ceil(1.4 * capacity)`` slots, so 22.4 bytes per row; elsewhere 4 bytes per slot, the power
+    of two at or above ``1.5 * capacity`` slots, so 6 to 12 bytes per row. The per-row arrays (25
+    bytes per row, with the free-row stack) are allocated for the whole capacity but, on CPU, as
+    anonymous memory maps: the OS provides a page when it is first written, so only the pages of
+    the rows handed out so far (and of the stack's depth) are resident. On other devices they are
+    allocated and zeroed in full. Plus the admission counters (``4 * counter_slots`` bytes, fixed).
+    :attr:`memory_bytes` gives the allocated figure (the index at its current size),
+    :func:`~recsdk.embedding.slot_index.index_bytes` the index's full size.
 
     Example::
 
@@ -107,6 +120,9 @@ class IdTable(IdTableState):
             width = admission.counter_slots // admission.num_hashes
             self._sketch = CountMinSketch(width, admission.num_hashes, admission.threshold, self._device)
         self._free_top: int
+        self._high_water: int  # rows at and above it were never handed out (see _pop_free)
+        self._tail_retired: bool  # rows above the mark count as retired (after rebuild or a load)
+        self._pin_end: int  # no row at or above max(this, _high_water) was ever pinned
         self._size: int
         self._index: TorchSlotIndex | FbgemmSlotIndex
         self._step: int
@@ -160,7 +176,9 @@ class IdTable(IdTableState):
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by the table's tensors: slots, per-row arrays and admission counters."""
+        """Bytes the table's tensors hold: the index's slots (current size), the per-row arrays
+        (allocated for the whole capacity; on CPU resident only where written) and the admission
+        counters."""
         tensors = [
             self._row_id,
             self._row_state,
@@ -223,8 +241,8 @@ class IdTable(IdTableState):
                 num_new = int(admitted.sum())
             else:
                 num_new = uniq.numel()
-        in_use = None  # bool [capacity + 1]: rows this batch holds (eviction never frees them in this call)
-        if num_new > self._free_top:
+        in_use = None  # bool [high_water]: rows this batch holds (eviction never frees them in this call)
+        if num_new > self._num_free:
             in_use = self._check_room(num_new, used)
 
         # Commit phase.
@@ -249,7 +267,7 @@ class IdTable(IdTableState):
         else:
             new_ids = uniq
         if num_new:
-            shortfall = num_new - self._free_top
+            shortfall = num_new - self._num_free
             if shortfall > 0:
                 assert in_use is not None  # shortfall > 0 implies num_new > free rows before the call
                 self._evict(shortfall, in_use)
@@ -304,7 +322,10 @@ class IdTable(IdTableState):
         Args:
             rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
         """
-        self._add_pins(self._as_rows(rows, "pin", allow_missing=True), 1)
+        flat = self._as_rows(rows, "pin", allow_missing=True)
+        if flat.numel():
+            self._pin_end = max(self._pin_end, int(flat.max()) + 1)
+        self._add_pins(flat, 1)
 
     def unpin(self, rows: torch.Tensor) -> None:
         """Drop references taken by :meth:`pin` (same rows, same multiplicity).
@@ -325,7 +346,7 @@ class IdTable(IdTableState):
 
     def num_pinned(self) -> int:
         """Number of rows with at least one pin."""
-        return int((self._pins > 0).sum())
+        return int((self._pins[: max(self._high_water, self._pin_end)] > 0).sum())
 
     def evict_idle(self, max_idle_steps: int | None = None) -> torch.Tensor:
         """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep).
@@ -383,7 +404,7 @@ class IdTable(IdTableState):
             tuple[torch.Tensor, torch.Tensor]: int64 ``ids [n]`` and int64 ``rows [n]``.
         """
         self._check_usable()
-        rows = (self._row_state == _OCCUPIED).nonzero().squeeze(1)
+        rows = (self._row_state[: self._high_water] == _OCCUPIED).nonzero().squeeze(1)
         return self._row_id[rows].clone(), rows
 
     def insert_at(
@@ -436,12 +457,18 @@ class IdTable(IdTableState):
         taken = self._row_state[rows] == _OCCUPIED
         if bool(taken.any()):
             raise ValueError(f"IdTable '{self._name}': insert_at row {int(rows[taken][0])} already holds an id")
-        keep = torch.ones(self._capacity, dtype=torch.bool, device=self._device)
+        # Rows at or above the mark that stay free join the bottom of the stack in the order they
+        # would have gone out (ascending), then the given rows leave the stack.
+        hw, top = self._high_water, max(self._high_water, int(rows.max()) + 1)
+        stack = torch.cat([torch.arange(top - 1, hw - 1, -1, device=self._device), self._free[: self._free_top].long()])
+        if self._tail_retired:
+            self._row_state[hw:top] = _RETIRED
+        self._high_water = top
+        keep = torch.ones(top, dtype=torch.bool, device=self._device)
         keep[rows] = False
-        stack = self._free[: self._free_top]
-        stack = stack[keep[stack.long()]]
+        stack = stack[keep[stack]]
         self._free_top = stack.numel()
-        self._free[: self._free_top] = stack
+        self._free[: self._free_top] = stack.to(torch.int32)
         self._drop_pending(rows)
         self._place(flat, rows, step=self._step)
         self._idle_floor = 0
@@ -470,21 +497,29 @@ class IdTable(IdTableState):
 
     # ------------------------------------------------------------------ internals
 
+    @property
+    def _num_free(self) -> int:
+        """Free rows: those on the stack and those never handed out."""
+        return self._free_top + self._capacity - self._high_water
+
     def _allocate(self) -> None:
         dev = self._device
         cap = self._capacity
-        self._row_id = torch.zeros(cap, dtype=torch.int64, device=dev)
+        self._row_id = _lazy_zeros(cap, torch.int64, dev)
         self._index = make_slot_index(cap, dev, self._row_id)
-        self._row_state = torch.zeros(cap, dtype=torch.int8, device=dev)
+        self._row_state = _lazy_zeros(cap, torch.int8, dev)
         # One spare entry at index ``capacity`` absorbs writes for ids without a row.
-        self._last_step_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
-        self._freq_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
+        self._last_step_buf = _lazy_zeros(cap + 1, torch.int32, dev)
+        self._freq_buf = _lazy_zeros(cap + 1, torch.int32, dev)
         self._last_step = self._last_step_buf[:cap]
         self._freq = self._freq_buf[:cap]
-        self._pins_buf = torch.zeros(cap + 1, dtype=torch.int32, device=dev)
+        self._pins_buf = _lazy_zeros(cap + 1, torch.int32, dev)
         self._pins = self._pins_buf[:cap]
-        self._free = torch.arange(cap - 1, -1, -1, dtype=torch.int32, device=dev)  # pops 0, 1, 2, ...
-        self._free_top = cap
+        self._free = _lazy_zeros(cap, torch.int32, dev)  # the stack of free rows below the mark, bottom to top
+        self._free_top = 0
+        self._high_water = 0  # with an empty stack: hands out 0, 1, 2, ...
+        self._tail_retired = False
+        self._pin_end = 0
         self._size = 0
         self._step = 0
         self._idle_floor = 0
@@ -540,17 +575,18 @@ class IdTable(IdTableState):
         return self._index.lookup(ids)
 
     def _ensure_slot_room(self, incoming: int) -> None:
-        if self._size + self._index.tombstones + incoming > self._index.max_load * self._index.num_slots:
-            self._rehash()
+        if not self._index.fits(self._size + incoming):
+            self._rehash(self._size + incoming)
 
-    def _rehash(self) -> None:
-        self._index.clear()
-        rows = (self._row_state == _OCCUPIED).nonzero().squeeze(1)
+    def _rehash(self, stored: int) -> None:
+        """Rebuild the index from the occupied rows, grown first if ``stored`` ids need it."""
+        self._index.clear(stored)
+        rows = (self._row_state[: self._high_water] == _OCCUPIED).nonzero().squeeze(1)
         if rows.numel():
             self._index.insert(self._row_id[rows], rows)
 
     def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None:
-        """Store distinct new ids at rows already taken off the free stack."""
+        """Store distinct new ids at free rows below the high-water mark, already taken off the stack."""
         self._ensure_slot_room(ids.numel())
         self._index.insert(ids, rows)
         self._row_id[rows] = ids
@@ -560,10 +596,23 @@ class IdTable(IdTableState):
         self._size += ids.numel()
 
     def _pop_free(self, k: int) -> torch.Tensor:
-        top = self._free_top
-        rows = self._free[top - k : top].flip(0).long()
-        self._free_top = top - k
-        reused = rows if self._report_first_use else rows[self._row_state[rows] == _RETIRED]
+        """Take ``k`` free rows: the stack's from the top, then never-used ones upward from the mark.
+
+        Records the rows to report by :meth:`take_reassigned_rows`: those that held an id before
+        (all of them with ``report_first_use``).
+        """
+        top, hw = self._free_top, self._high_water
+        m = min(k, top)
+        stacked = self._free[top - m : top].flip(0).long()
+        fresh = torch.arange(hw, hw + k - m, device=self._device)
+        self._free_top, self._high_water = top - m, hw + k - m
+        rows = torch.cat([stacked, fresh])
+        if self._report_first_use:
+            reused = rows
+        else:
+            reused = stacked[self._row_state[stacked] == _RETIRED]
+            if self._tail_retired:
+                reused = torch.cat([reused, fresh])
         if reused.numel():
             self._reassigned.append(reused)
             self._reassigned_count += reused.numel()
@@ -583,15 +632,16 @@ class IdTable(IdTableState):
         self._size -= n
 
     def _evictable(self) -> torch.Tensor:
-        """Mask of rows eviction may free: occupied and unpinned."""
-        return (self._row_state == _OCCUPIED) & (self._pins == 0)
+        """Mask of the rows below the high-water mark eviction may free: occupied and unpinned."""
+        hw = self._high_water
+        return (self._row_state[:hw] == _OCCUPIED) & (self._pins[:hw] == 0)
 
     def _check_room(self, num_new: int, used: torch.Tensor | None) -> torch.Tensor:
         """Raise TableFullError (before any change) unless eviction can make room for ``num_new`` ids.
 
-        Returns the mask (bool ``[capacity + 1]``) of rows used by the batch, for :meth:`_evict`.
+        Returns the mask (bool ``[high_water]``) of rows used by the batch, for :meth:`_evict`.
         """
-        free = self._free_top
+        free = self._num_free
         base = (
             f"IdTable '{self._name}' (capacity {self._capacity}) is full: {num_new} new ids arrived with "
             f"{free} free rows"
@@ -601,9 +651,11 @@ class IdTable(IdTableState):
                 f"{base} and no eviction policy. Raise the capacity (num_embeddings of table '{self._name}') "
                 "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction)."
             )
-        in_use = torch.zeros(self._capacity + 1, dtype=torch.bool, device=self._device)
-        in_use.index_fill_(0, used, True)
-        evictable = int((self._evictable() & ~in_use[: self._capacity]).sum())
+        hw = self._high_water
+        in_use = torch.zeros(hw + 1, dtype=torch.bool, device=self._device)
+        in_use.index_fill_(0, used.clamp(max=hw), True)  # misses (row ``capacity``) land on entry ``hw``
+        in_use = in_use[:hw]
+        evictable = int((self._evictable() & ~in_use).sum())
         if free + evictable < num_new:
             raise TableFullError(
                 f"{base}, and eviction can free only {evictable} rows (the others are pinned or used by this batch). "
@@ -614,13 +666,14 @@ class IdTable(IdTableState):
 
     def _evict(self, count: int, in_use: torch.Tensor) -> torch.Tensor:
         """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``."""
+        hw = self._high_water
         blocked = ~self._evictable()
-        blocked |= in_use[: self._capacity]
+        blocked |= in_use
         if isinstance(self._eviction, LFUEviction):
-            key = (self._freq.long() << 31).bitwise_or_(self._last_step)
+            key = (self._freq[:hw].long() << 31).bitwise_or_(self._last_step[:hw])
             key.masked_fill_(blocked, torch.iinfo(torch.int64).max)
         else:
-            key = self._last_step.masked_fill(blocked, _INT32_MAX)
+            key = self._last_step[:hw].masked_fill(blocked, _INT32_MAX)
         kth = torch.kthvalue(key, count).values
         below = (key < kth).nonzero().squeeze(1)
         ties = (key == kth).nonzero().squeeze(1)[: count - below.numel()]
@@ -633,15 +686,18 @@ class IdTable(IdTableState):
         step = self._step
         if not force and step - self._idle_floor <= max_idle_steps:
             return torch.zeros(0, dtype=torch.int64, device=self._device)
-        occupied = self._row_state == _OCCUPIED
-        expired = occupied & (self._pins == 0) & (self._last_step < step - max_idle_steps)
+        hw = self._high_water
+        last_step = self._last_step[:hw]
+        occupied = self._row_state[:hw] == _OCCUPIED
+        expired = occupied & (self._pins[:hw] == 0) & (last_step < step - max_idle_steps)
         rows = expired.nonzero().squeeze(1)
         if rows.numel():
             self._free_rows(rows)
             self._stats["evictions"] += rows.numel()
             occupied[rows] = False
         # Rows stored later in this call get last_step == step, so the floor never exceeds it.
-        self._idle_floor = min(int(torch.where(occupied, self._last_step, _INT32_MAX).min()), step)
+        floor = int(torch.where(occupied, last_step, _INT32_MAX).min()) if hw else step
+        self._idle_floor = min(floor, step)
         return rows
 
     def _pending_rows(self) -> torch.Tensor:
@@ -656,3 +712,14 @@ class IdTable(IdTableState):
             self._reassigned = [pending] if pending.numel() else []
             self._reassigned_count = pending.numel()
         self._row_state[rows] = _NEVER_USED
+
+
+def _lazy_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(n, dtype=dtype, device=device)``; on CPU, no page of it is resident until written.
+
+    On CPU the tensor lies in an anonymous memory map, whose pages the OS provides, zeroed, when
+    first touched (``torch.zeros`` would write, and so hold, every page at once).
+    """
+    if device.type != "cpu":
+        return torch.zeros(n, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype)

@@ -59,6 +59,8 @@ class IdTableState:
         _freq: torch.Tensor
         _free: torch.Tensor
         _free_top: int
+        _high_water: int
+        _tail_retired: bool
         _row_state: torch.Tensor
         _reassigned: list[torch.Tensor]
         _reassigned_count: int
@@ -81,13 +83,18 @@ class IdTableState:
         ``retired_rows`` (free rows whose embedding holds a former id); ``reassigned_rows`` (not yet
         taken by :meth:`take_reassigned_rows`); ``admission_counters`` (empty without a sketch);
         ``stats`` (int64 ``[5]``: inserts, evictions, admission_rejects, lookups, hits).
+
+        The rows never handed out (at and above the high-water mark) are written out as the
+        bottom of the free stack, ``capacity - 1`` down to the mark.
         """
         self._check_usable()
         ids, rows = self.ids_and_rows()
+        hw, dev = self._high_water, self._device
+        retired = (self._row_state[:hw] == _RETIRED).nonzero().squeeze(1)
+        if self._tail_retired:
+            retired = torch.cat([retired, torch.arange(hw, self._capacity, device=dev)])
         counters = (
-            self._sketch.counters.clone()
-            if self._sketch is not None
-            else torch.zeros(0, dtype=torch.int32, device=self._device)
+            self._sketch.counters.clone() if self._sketch is not None else torch.zeros(0, dtype=torch.int32, device=dev)
         )
         return {
             "capacity": torch.tensor(self._capacity, dtype=torch.int64),
@@ -95,8 +102,10 @@ class IdTableState:
             "rows": rows,
             "last_step": self._last_step[rows].clone(),
             "freq": self._freq[rows].clone(),
-            "free_rows": self._free[: self._free_top].long(),
-            "retired_rows": (self._row_state == _RETIRED).nonzero().squeeze(1),
+            "free_rows": torch.cat(
+                [torch.arange(self._capacity - 1, hw - 1, -1, device=dev), self._free[: self._free_top].long()]
+            ),
+            "retired_rows": retired,
             "reassigned_rows": self._pending_rows(),
             "admission_counters": counters,
             "step": torch.tensor(self._step, dtype=torch.int64),
@@ -114,24 +123,26 @@ class IdTableState:
             RuntimeError: some rows of this table are pinned.
         """
         sd = self._checked_state(state_dict)
-        if self.num_pinned():
-            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
+        self._check_unpinned()
+        free, retired, cap = sd["free_rows"], sd["retired_rows"], self._capacity
+        # The rows above the mark: the bottom of the stack while it reads capacity - 1, capacity - 2,
+        # ... (the order they go out in from the mark) and its rows are all retired or all not (one
+        # flag says which); the rest of the stack is kept as it is.
+        descending = torch.arange(cap - 1, cap - 1 - free.numel(), -1, device=self._device)
+        breaks = (free != descending).nonzero()
+        run = int(breaks[0]) if breaks.numel() else free.numel()
+        is_retired = torch.zeros(cap, dtype=torch.bool, device=self._device)
+        is_retired[retired] = True
+        tail_retired = run > 0 and bool(is_retired[cap - 1])
+        odd = (is_retired[cap - run :] != tail_retired).nonzero()
+        hw = cap - run + (int(odd[-1]) + 1 if odd.numel() else 0)
         self._allocate()
-        self._free_top = sd["free_rows"].numel()
-        self._free[: self._free_top] = sd["free_rows"].to(torch.int32)
-        self._row_state[sd["retired_rows"]] = _RETIRED
-        rows = sd["rows"]
-        self._place(sd["ids"], rows, step=0)
-        self._last_step[rows] = sd["last_step"].to(torch.int32)
-        self._freq[rows] = sd["freq"].to(torch.int32)
-        if self._sketch is not None:
-            self._sketch.counters.copy_(sd["admission_counters"].to(torch.int32))
-        reassigned = sd["reassigned_rows"]
-        if reassigned.numel():
-            self._reassigned = [reassigned]
-            self._reassigned_count = reassigned.numel()
-        self._step = int(sd["step"])
-        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
+        self._high_water, self._tail_retired = hw, tail_retired
+        stacked = free[cap - hw :]  # the rest of the stack, all below the mark
+        self._free_top = stacked.numel()
+        self._free[: self._free_top] = stacked.to(torch.int32)
+        self._row_state[retired[retired < hw]] = _RETIRED
+        self._restore(sd)
 
     def check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
@@ -213,22 +224,43 @@ class IdTableState:
                     f"{where}: {counters.numel()} admission counters given, this table's admission policy "
                     f"{self._admission} has {have}"
                 )
-        dev = self._device
-        self.load_state_dict(
+        self._check_unpinned()
+        self._allocate()
+        # Rows n, n+1, ... go out in ascending order, each reported (retired): the tail above the mark.
+        self._high_water, self._tail_retired = n, True
+        self._restore(
             {
-                "capacity": torch.tensor(cap, dtype=torch.int64),
                 "ids": flat,
-                "rows": torch.arange(n, dtype=torch.int64, device=dev),
+                "rows": torch.arange(n, dtype=torch.int64, device=self._device),
                 "last_step": meta["last_step"],
                 "freq": meta["freq"],
-                "free_rows": torch.arange(cap - 1, n - 1, -1, dtype=torch.int64, device=dev),  # pops n, n+1, ...
-                "retired_rows": torch.arange(n, cap, dtype=torch.int64, device=dev),
-                "reassigned_rows": torch.zeros(0, dtype=torch.int64, device=dev),
+                "reassigned_rows": torch.zeros(0, dtype=torch.int64, device=self._device),
                 "admission_counters": counters,
                 "step": torch.tensor(step, dtype=torch.int64),
                 "stats": torch.zeros(len(_STAT_NAMES), dtype=torch.int64),
             }
         )
+
+    def _check_unpinned(self) -> None:
+        """Raise while some rows are pinned (a batch in flight holds them): nothing may replace them."""
+        if self.num_pinned():
+            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {self.num_pinned()} rows are pinned")
+
+    def _restore(self, sd: dict[str, torch.Tensor]) -> None:
+        """Store the ids, their metadata, counters, clock and statistics of ``sd`` in a freshly
+        allocated table whose free rows are already set."""
+        rows = sd["rows"]
+        self._place(sd["ids"], rows, step=0)
+        self._last_step[rows] = sd["last_step"].to(torch.int32)
+        self._freq[rows] = sd["freq"].to(torch.int32)
+        if self._sketch is not None:
+            self._sketch.counters.copy_(sd["admission_counters"].to(torch.int32))
+        reassigned = sd["reassigned_rows"]
+        if reassigned.numel():
+            self._reassigned = [reassigned]
+            self._reassigned_count = reassigned.numel()
+        self._step = int(sd["step"])
+        self._stats = dict(zip(_STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
 
     def _checked_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate a :meth:`state_dict`; returns its tensors on the table's device, flattened."""

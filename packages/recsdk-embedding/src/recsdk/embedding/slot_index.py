@@ -9,8 +9,12 @@ Two implementations with one interface, chosen by the table's device:
 * :class:`TorchSlotIndex` (any device): double hashing in torch tensor ops, in rounds over the
   whole batch; a slot holds only a row (4 bytes) and the key is read from the table's ``row_id``.
 
-The table owns the per-row arrays and decides when to rehash (:meth:`clear`, then
-:meth:`insert` of every stored id); the index only maps ids to rows.
+Both start small and grow with the stored ids: a new index has the slots of a table of
+``min(capacity, 65536)`` rows, and while it is smaller than its full size (:meth:`slots_for` of
+the capacity) it keeps the stored ids to at most half of its slots, doubling them at a rehash, so
+probes stay as short as in a full-size index. The table owns the per-row arrays and decides when
+to rehash (:meth:`fits`, then :meth:`clear` and :meth:`insert` of every stored id); the index
+only maps ids to rows.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ _TOMBSTONE = -2
 _DEAD_ROW = -2
 _FBGEMM_SLOTS_PER_ROW = 1.4  # 16-byte slots: 22.4 bytes per row
 _TORCH_SLOTS_PER_ROW = 1.5  # 4-byte slots, rounded up to a power of two: 6 to 12 bytes per row
+_INITIAL_ROWS = 1 << 16  # a new index has the slots of a table of this many rows (or of its capacity)
+_GROW_LOAD = 0.5  # an index below its full size holds stored ids in at most this share of its slots
 
 
 def fbgemm_index_available() -> bool:
@@ -46,7 +52,31 @@ def _next_pow2(n: int) -> int:
     return 1 << max(1, math.ceil(math.log2(max(n, 2))))
 
 
-class TorchSlotIndex:
+class _GrowingSlots:
+    """What both indexes share: when a rehash is due, and how far it grows the slots."""
+
+    max_load: float  # a rehash is due before stored ids plus tombstones pass this share of the slots
+    num_slots: int  # slots now
+    max_slots: int  # slots at full size
+    tombstones: int
+
+    def fits(self, stored: int) -> bool:
+        """Whether ``stored`` ids fit without a rehash: with the tombstones, in ``max_load`` of the
+        slots, and below full size in half of them."""
+        if stored + self.tombstones > self.max_load * self.num_slots:
+            return False
+        return self.num_slots == self.max_slots or stored <= _GROW_LOAD * self.num_slots
+
+    def _grown(self, stored: int) -> int:
+        """Slots for ``stored`` ids: the current ones, doubled (at most to full size) while the ids
+        would fill more than half of them."""
+        num_slots = self.num_slots
+        while num_slots < self.max_slots and stored > _GROW_LOAD * num_slots:
+            num_slots = min(2 * num_slots, self.max_slots)
+        return num_slots
+
+
+class TorchSlotIndex(_GrowingSlots):
     """Double hashing in torch ops: ``num_slots`` int32 slots holding rows.
 
     A slot holds a row, ``-1`` (empty) or ``-2`` (tombstone); its key is ``row_id[row]``. An id's
@@ -56,6 +86,10 @@ class TorchSlotIndex:
     neither matched nor reached an empty slot go on. New ids claim free slots round by round:
     every candidate writes its row into the slot it reached, reads it back, and the losers probe
     on. Removal leaves a tombstone, which insertions reuse.
+
+    The slots start at those of a table of ``min(capacity, 65536)`` rows and :meth:`clear` grows
+    them (powers of two) up to ``slots_for(capacity)``; on the meta device they are that full size
+    from the start (nothing is allocated there, and the planner reads its size).
 
     Args:
         capacity (int): rows of the table.
@@ -67,11 +101,12 @@ class TorchSlotIndex:
 
     @staticmethod
     def slots_for(capacity: int) -> int:
-        """Slots of the index of a table of ``capacity`` rows."""
+        """Slots of the full-size index of a table of ``capacity`` rows."""
         return _next_pow2(math.ceil(capacity * _TORCH_SLOTS_PER_ROW))
 
     def __init__(self, capacity: int, device: torch.device, row_id: torch.Tensor) -> None:
-        self.num_slots = self.slots_for(capacity)
+        self.max_slots = self.slots_for(capacity)
+        self.num_slots = self.max_slots if device.type == "meta" else self.slots_for(min(capacity, _INITIAL_ROWS))
         self.tombstones = 0
         self._mask = self.num_slots - 1
         self._device = device
@@ -80,10 +115,18 @@ class TorchSlotIndex:
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes of the slots at their current size."""
         return self._slots.numel() * self._slots.element_size()
 
-    def clear(self) -> None:
-        self._slots.fill_(_EMPTY)
+    def clear(self, stored: int) -> None:
+        """Empty the index before ``stored`` ids are inserted, growing it first if they need it."""
+        num_slots = self._grown(stored)
+        if num_slots == self.num_slots:
+            self._slots.fill_(_EMPTY)
+        else:
+            del self._slots  # the old slots go before the new ones are allocated
+            self.num_slots, self._mask = num_slots, num_slots - 1
+            self._slots = torch.full((num_slots,), _EMPTY, dtype=torch.int32, device=self._device)
         self.tombstones = 0
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -151,12 +194,15 @@ class TorchSlotIndex:
         return h.bitwise_and(self._mask), self._stride(h)
 
 
-class FbgemmSlotIndex:
+class FbgemmSlotIndex(_GrowingSlots):
     """FBGEMM's CPU pruned hashmap: ``num_slots`` ``(key, row)`` int64 pairs, linear probing.
 
     The kernels reserve key ``-1`` for empty slots, so the id ``-1`` is kept aside in a Python
     attribute. A removed id keeps its key with row ``-2`` (read as absent); such dead slots are
     counted as tombstones until the table rehashes, and re-inserting the same id reuses its slot.
+
+    The slots start at those of a table of ``min(capacity, 65536)`` rows and :meth:`clear` grows
+    them (doubling) up to ``slots_for(capacity)``.
 
     Args:
         capacity (int): rows of the table.
@@ -169,24 +215,35 @@ class FbgemmSlotIndex:
 
     @staticmethod
     def slots_for(capacity: int) -> int:
-        """Slots of the index of a table of ``capacity`` rows (at least one stays empty)."""
+        """Slots of the full-size index of a table of ``capacity`` rows (at least one stays empty)."""
         return max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW))
 
     def __init__(self, capacity: int) -> None:
-        self.num_slots = self.slots_for(capacity)
+        self.max_slots = self.slots_for(capacity)
         self.tombstones = 0
-        self._table = torch.full((self.num_slots, 2), _EMPTY, dtype=torch.int64)
-        self._table_offsets = torch.tensor([0, self.num_slots], dtype=torch.int64)
+        self._allocate(self.slots_for(min(capacity, _INITIAL_ROWS)))
         self._minus_one_row = -1  # row of the id -1, which the kernels cannot store
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes of the slots at their current size."""
         return self._table.numel() * self._table.element_size()
 
-    def clear(self) -> None:
-        self._table.fill_(_EMPTY)
+    def clear(self, stored: int) -> None:
+        """Empty the index before ``stored`` ids are inserted, growing it first if they need it."""
+        num_slots = self._grown(stored)
+        if num_slots == self.num_slots:
+            self._table.fill_(_EMPTY)
+        else:
+            del self._table  # the old slots go before the new ones are allocated
+            self._allocate(num_slots)
         self.tombstones = 0
         self._minus_one_row = -1
+
+    def _allocate(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._table = torch.full((num_slots, 2), _EMPTY, dtype=torch.int64)
+        self._table_offsets = torch.tensor([0, num_slots], dtype=torch.int64)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
@@ -243,8 +300,11 @@ def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -
 
 
 def index_bytes(capacity: int, device: torch.device) -> int:
-    """Bytes of the index :func:`make_slot_index` builds for a table of ``capacity`` rows on ``device``.
+    """Bytes of the full-size index of a table of ``capacity`` rows on ``device``.
 
+    The worst case: what the index of :func:`make_slot_index` holds once grown to
+    ``slots_for(capacity)`` slots (a new index starts with the slots of ``min(capacity, 65536)``
+    rows and grows with the stored ids; on the meta device it has the full size from the start).
     Allocates nothing (the planner sizes host id tables with it).
 
     Args:
