@@ -16,7 +16,7 @@ The adapters keep only TorchRec's hooks (construction, ``input_dist``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -320,6 +320,31 @@ class HostShardedModule:
 
     _shards: HostShards
     training: bool
+    module_sharding_plan: Any
+
+    def _init_kernels(
+        self,
+        torchrec_init: Callable[..., None],
+        *,
+        plan: dict[str, ParameterSharding],
+        kernel_module: Any,
+        kernel_plan: dict[str, ParameterSharding],
+        cached: dict[str, TableCacheSpec],
+        device: torch.device | None,
+        **kwargs: Any,
+    ) -> None:
+        """TorchRec's constructor (``torchrec_init``: the base class's ``__init__``) on the module
+        and plan as the kernels hold them (``cache_plan.kernel_inputs``); afterwards the module
+        keeps the user's ``plan`` as its ``module_sharding_plan`` (where the stores' rows are).
+
+        The kernels' own initialisation draws random numbers by their size, so it runs under a
+        forked generator: :class:`HostShards` initialises every row from the generator as it was
+        before, and a cached table starts with the all-resident table's rows.
+        """
+        with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+            torchrec_init(module=kernel_module, table_name_to_parameter_sharding=kernel_plan, device=device, **kwargs)
+        if cached:
+            self.module_sharding_plan = compat.user_sharding_plan(self, plan)
 
     @property
     def host_group(self) -> dist.ProcessGroup:

@@ -83,21 +83,18 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             kernel_module, kernel_plan, _PREFIX, fused_params
         )
         self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
-        # The kernels' own initialisation draws random numbers by their size; recsdk initialises
-        # the rows itself (HostShards), from the generator as it was before: a cached table then
-        # starts with the all-resident table's rows.
-        with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-            super().__init__(
-                module=kernel_module,
-                table_name_to_parameter_sharding=kernel_plan,
-                env=env,
-                fused_params=fused_params,
-                device=device,
-                qcomm_codecs_registry=qcomm_codecs_registry,
-                module_fqn=module_fqn,
-            )
-        if cached:  # the user's plan: what checkpoints lay the stores out by
-            self.module_sharding_plan = compat.user_sharding_plan(self, table_name_to_parameter_sharding)
+        self._init_kernels(
+            super().__init__,
+            plan=table_name_to_parameter_sharding,
+            kernel_module=kernel_module,
+            kernel_plan=kernel_plan,
+            cached=cached,
+            env=env,
+            fused_params=fused_params,
+            device=device,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
         self._shards = HostShards(
             self,
             plan=table_name_to_parameter_sharding,
