@@ -32,8 +32,14 @@ cache of ``--memory-slots`` slots per shard: load factor = slots / shard rows) a
 ``/proc/self/status`` after the steps) for both, and the ratio; then the growth 4x / 1x of each
 (target: the file store's <= 1.1).
 
+A table larger than memory (``--large-gb G``, instead of the above; not for CI): one ``file`` run
+whose weights take ``G`` GB (plus the Adagrad state, as much again), with the memory part's
+cache; one line with the machine's available memory before, the store's file size and the bytes
+it wrote, samples/s, each rank's RssAnon and RssFile, the cache hit rate.
+
     python benchmarks/cache.py [--batch-size 1024] [--steps 20] [--rounds 7] [--no-memory]
     python benchmarks/cache.py --memory-gb 0.5   # the smaller pair 0.5 -> 2 GB
+    python benchmarks/cache.py --large-gb 20 --tmp-dir /var/tmp   # a 40 GB store
 """
 
 from __future__ import annotations
@@ -208,9 +214,19 @@ def _memory(rank: int, world_size: int, args: argparse.Namespace, kernel: str, r
         rank=rank,
         world_size=world_size,
     )
-    train_samples_per_s(model, optimizer, batches, 0)
+    speed = train_samples_per_s(model, optimizer, batches, 0)
     after = _rss()
-    return {"before": before, "after": after, "build_s": built, "counts": _cache_counts(model)}
+    store_bytes = sum(f.stat().st_size for f in Path(args.store_dir).rglob("*") if f.is_file())
+    written = sum(f.stat().st_blocks * 512 for f in Path(args.store_dir).rglob("*") if f.is_file())
+    return {
+        "before": before,
+        "after": after,
+        "build_s": built,
+        "counts": _cache_counts(model),
+        "samples_per_s": speed,
+        "store_file_bytes": store_bytes,
+        "store_disk_bytes": written,
+    }
 
 
 def _memory_rows(args: argparse.Namespace, scale: int) -> int:
@@ -249,11 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-steps", type=int, default=20)
     parser.add_argument("--memory-id-range", type=int, default=500_000)
     parser.add_argument(
+        "--large-gb",
+        type=float,
+        default=None,
+        help="instead: one file-store run whose table's weights take this many GB (e.g. more than the free memory)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
     args = parser.parse_args(argv)
     base = tempfile.mkdtemp(prefix="recsdk_cache_bench_", dir=args.tmp_dir)
     try:
+        if args.large_gb is not None:
+            _report_large(args, base)
+            return 0
         if args.speed:
             _report_speed(args, base)
         if args.memory:
@@ -370,6 +395,45 @@ def _report_memory(args: argparse.Namespace, base: str) -> None:
         if store == "file":
             line["target"] = TARGET_MEMORY_GROWTH
         print(json.dumps(line), flush=True)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def _report_large(args: argparse.Namespace, base: str) -> None:
+    """One file-store run of a table of ``--large-gb`` GB of weights (plus its optimizer state)."""
+    rows = int(args.large_gb * GB) // (4 * args.memory_dim)
+    rows -= rows % args.world_size
+    args.store_dir = _fresh_dir(base, "large")
+    available = _mem_available()
+    start = time.perf_counter()
+    outs = run_distributed(_memory, args.world_size, args, "key_value", rows, timeout_s=3600)
+    line = {
+        "benchmark": "cache",
+        "part": "large_file_store",
+        "world_size": args.world_size,
+        "batch_size_per_rank": args.batch_size,
+        "dim": args.memory_dim,
+        "steps": args.memory_steps,
+        "rows": rows,
+        "weights_gb": round(rows * args.memory_dim * 4 / GB, 2),
+        "store_file_gb": round(outs[0]["store_file_bytes"] / GB, 2),  # every rank's files, weights and state
+        "store_disk_gb_written": round(outs[0]["store_disk_bytes"] / GB, 3),
+        "mem_available_gb_before": round(available / GB, 2),
+        "samples_per_s": round(outs[0]["samples_per_s"], 1),
+        "rss_anon_mb_per_rank": [round(o["after"]["RssAnon"] / 2**20) for o in outs],
+        "rss_file_mb_per_rank": [round(o["after"]["RssFile"] / 2**20) for o in outs],
+        "cache_slots_per_rank": [int(o["counts"]["cache_slots"]) for o in outs],
+        "store_rows_used_per_rank": [int(o["counts"]["store_rows_used"]) for o in outs],
+        "cache_hit_rate": round(
+            sum(o["counts"]["cache_hits"] for o in outs) / max(1.0, sum(o["counts"]["cache_lookups"] for o in outs)), 4
+        ),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+    shutil.rmtree(args.store_dir, ignore_errors=True)
+    print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
