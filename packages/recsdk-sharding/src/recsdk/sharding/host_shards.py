@@ -99,7 +99,7 @@ class HostShards:
         self.ledger = RowLedger(self.stage.id_tables, self.stage.lock)
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
         self._missing: list[torch.Tensor | None] = []  # the computing batch's ids without a row
-        self._kernel_rows: dict[str, torch.Tensor] = {}  # the computing batch's rows in the kernel, per table
+        self._kernel_rows: dict[str, torch.Tensor] = {}  # the computing batch's rows in the kernel, per Adam table
         lookups = compat.fused_lookups(module)
         for i, lookup in enumerate(lookups):
             lookup.register_forward_hook(lambda _m, _in, out, i=i: self._after_lookup(i, out))
@@ -234,18 +234,21 @@ class HostShards:
             else:  # reset where the row lives; the cache takes it from there when it is used
                 cache.forget(rows)
                 reset_rows_(cache.store.views, rows, self.configs[name])
-        self._kernel_rows = dict(ctx.batch_rows)
         if self.caches:
             distinct = ctx.cache_rows
             kjts = KJTList([self._to_slots(kjt, rows, training) for kjt, rows in zip(kjts, distinct, strict=True)])
-            for name, cache in self.caches.items():
-                if name in ctx.batch_rows:
-                    self._kernel_rows[name] = cache.slots_of(ctx.batch_rows[name])
+        # What the CPU Adam's watch reads: its tables' rows of this batch in the kernel (slots if cached).
+        self._kernel_rows = {
+            name: self.caches[name].slots_of(ctx.batch_rows[name]) if name in self.caches else ctx.batch_rows[name]
+            for name in self._host_adam.tables
+            if name in ctx.batch_rows
+        }
         self._missing = ctx.missing
         return kjts
 
     def end_compute(self, ctx: HostStageState, awaitable: LazyAwaitable[Any], training: bool) -> None:
-        """After the lookups were issued: the CPU Adam's watch of a training batch."""
+        """After the lookups were issued: the CPU Adam's watch of a training batch (its rows in the
+        kernel: a cached Adam table's slots)."""
         if training and torch.is_grad_enabled():
             self._host_adam.watch(awaitable, self._kernel_rows)
 

@@ -135,10 +135,12 @@ class TableCache:
             self._row_of_slot.index_copy_(0, new_slots, new_rows)
             self._slot_of_row.index_copy_(0, new_rows, (new_slots + 1).to(torch.int32))
             self._dirty.index_fill_(0, new_slots, False)
-            self._uses.index_fill_(0, new_slots, 0)
+            if self._lfu:
+                self._uses.index_fill_(0, new_slots, 0)
             slots[miss] = new_slots
         self._last_use.index_fill_(0, slots, self._step)
-        self._uses.index_add_(0, slots, torch.ones_like(slots))
+        if self._lfu:
+            self._uses.index_add_(0, slots, torch.ones_like(slots))
         if training:
             self._dirty.index_fill_(0, slots, True)
         return slots
