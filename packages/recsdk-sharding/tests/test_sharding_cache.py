@@ -159,6 +159,9 @@ def _checkpoint_run(rank: int, world_size: int, path: str, save: bool, kernel: s
         export_embeddings(dmp, path + "_export")  # reads the rows from wherever they live
     else:
         load_checkpoint(dmp, dmp.fused_optimizer, path)
+        if directory is not None:  # a file store stages the load in files beside it, gone once mapped
+            names = {f.name for f in (directory / f"rank{rank}").iterdir()}
+            assert names == {f"ebc.{t}.{kind}" for t in ("t0", "t1") for kind in ("weight", "state0")}, names
     return {"rows": _per_id(dmp)}
 
 

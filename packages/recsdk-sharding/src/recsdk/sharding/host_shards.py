@@ -373,6 +373,15 @@ class HostShardedModule:
         """Per local table: the fused kernel's weight view and per-row optimizer state views."""
         return self._shards.views
 
+    def staging_views(self, table: str) -> TableViews:
+        """New tensors shaped as ``table_views()[table]``, for a checkpoint load to read into
+        before it commits: in host memory, or for a file store in files beside it."""
+        cache = self._shards.caches.get(table)
+        if cache is not None:
+            return cache.store.staging()
+        weight, states = self._shards.kernel[table]
+        return TableViews(torch.empty_like(weight), [torch.empty_like(s) for s in states])
+
     def parameter_key(self, table: str) -> str:
         """The table's key in ``fused_optimizer.params`` and the state dict."""
         return f"{self._shards.prefix}{table}.weight"

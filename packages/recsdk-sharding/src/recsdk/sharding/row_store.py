@@ -60,6 +60,11 @@ class RowStore:
         """Bytes of the rows and their optimizer state."""
         return sum(t.numel() * t.element_size() for t in (self.views.weight, *self.views.states))
 
+    def staging(self) -> TableViews:
+        """New, uninitialised tensors shaped as :attr:`views` (a checkpoint load reads into them
+        before it commits); in host memory here."""
+        return TableViews(torch.empty_like(self.views.weight), [torch.empty_like(s) for s in self.views.states])
+
 
 def _row_shapes(rows: int, kernel: TableViews) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of the weight and each per-row state of a shard of ``rows`` rows."""
@@ -132,6 +137,33 @@ class FileRowStore(RowStore):
             tensors.append(flat.view(shape))
         super().__init__(TableViews(tensors[0], tensors[1:]), "file", lazy_init=True)
         self.directory = directory
+        self._name = name
+        self._table = table
+
+    def staging(self) -> TableViews:
+        """Staging tensors in files beside the store's (the table may be larger than memory),
+        unlinked once mapped: their space is freed with the tensors.
+
+        Raises:
+            ValueError: the directory has not the room for them (names the table and path).
+        """
+        stat = os.statvfs(self.directory)
+        free = stat.f_bavail * stat.f_frsize
+        if self.nbytes > free:
+            raise ValueError(
+                f"table {self._table!r}: loading its row store needs {self.nbytes} bytes of staging space under "
+                f"{str(self.directory)!r}, which has {free} free"
+            )
+        tensors = []
+        for i, t in enumerate((self.views.weight, *self.views.states)):
+            path = self.directory / f".{self._name}.staging{i}.{os.getpid()}"
+            with open(path, "wb") as f:
+                f.truncate(t.numel() * t.element_size())
+            try:
+                tensors.append(torch.from_file(str(path), shared=True, size=t.numel(), dtype=t.dtype).view(t.shape))
+            finally:
+                path.unlink()
+        return TableViews(tensors[0], tensors[1:])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -225,10 +225,10 @@ def _stage(
         if not t.exact or t.name not in t.module.id_tables:
             continue
         prefix = hash_prefix(t.fqn, t.name, comm.rank)
-        weight, states = t.module.table_views()[t.name]
+        weight, states = t.module.staging_views(t.name)  # a file store's are files: it may exceed memory
         exact = _ExactTable(
-            weight=torch.empty_like(weight),
-            states=[torch.empty_like(s) for s in states],
+            weight=weight,
+            states=states,
             fused={k: torch.empty_like(v) for k, v in fused_counters(t.module)[t.name].items()},
             table_state={k: storage.empty_like_saved(reader_md[prefix + "table/" + k]) for k in _TABLE_KEYS},
         )
