@@ -35,7 +35,7 @@ def _storage_and_constraints(rank: int, world_size: int) -> dict:
     constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"])}
 
     hybrid = HybridEmbeddingEnumerator(topology=topology, batch_size=64, constraints=constraints)
-    # TorchRec's storage estimate alone: its perf estimator has no CPU figures for cached kernels.
+    # TorchRec's storage estimate alone: what the id tables are added to.
     stock = EmbeddingEnumerator(
         topology=topology,
         batch_size=64,
