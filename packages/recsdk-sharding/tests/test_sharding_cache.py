@@ -265,6 +265,25 @@ def test_a_batch_larger_than_the_cache_fails_every_rank_naming_the_table() -> No
     assert all(m != "no error" for m in per_rank)
 
 
+def _disk_full_run(rank: int, world_size: int, tmp: str) -> str:
+    import recsdk.sharding.row_store as row_store
+
+    dmp, dense_opt = _build("sgd", _constraints("key_value", 0.5, Path(tmp), "row_wise"))
+    if rank == 1:  # the disk under rank 1's store fills up (another process wrote there)
+        row_store.free_bytes = lambda directory: 4096
+    try:
+        _train(dmp, dense_opt, rank, world_size, steps=2)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_store_whose_disk_fills_up_fails_every_rank_naming_the_table(tmp_path: Path) -> None:
+    own, peer = run_distributed(_disk_full_run, 2, str(tmp_path), timeout_s=90)[::-1]
+    assert own.startswith("OSError") and "table 't" in own and "4096 bytes free" in own and str(tmp_path) in own, own
+    assert peer.startswith("PeerFailureError") and "rank(s) [1]" in peer, peer
+
+
 def _sparse_run(rank: int, world_size: int, tmp: str) -> dict:
     _dmp, _ = _build("rowwise_adagrad", _constraints("key_value", 0.1, Path(tmp), "row_wise"))
     files = sorted((Path(tmp) / f"rank{rank}").iterdir())

@@ -292,13 +292,15 @@ class HostShards:
 
     def _distinct_cached_rows(self, kjt: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per cached table, the distinct store rows ``kjt`` looks up and the inverse; each must fit
-        its device cache (raises ``TableFullError`` naming the table otherwise)."""
+        its device cache (``TableFullError`` naming the table otherwise) and its store must have
+        room for what they may write (``OSError`` ``ENOSPC``)."""
         values = kjt.values()
         out = {}
         for table, segs in self._cached_segments(kjt).items():
             rows = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
             uniq, inverse = torch.unique(rows, return_inverse=True)
             self.caches[table].check_fits(uniq.numel())
+            self.caches[table].store.check_room(uniq.numel())
             out[table] = (uniq, inverse)
         return out
 

@@ -23,6 +23,7 @@ write them as they read an all-resident kernel.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -31,6 +32,8 @@ import torch
 from recsdk.sharding.tbe_views import TableViews
 
 __all__ = ["FileRowStore", "HostRowStore", "RowStore", "check_store_directory", "create_store", "store_directory"]
+
+_PAGE = 4096  # a first write into a sparse file allocates a page
 
 LOCAL_RANK_TOKEN = "@local_rank"
 """TorchRec's placeholder in ``KeyValueParams.ssd_storage_directory``, replaced by the local rank."""
@@ -59,6 +62,9 @@ class RowStore:
     def nbytes(self) -> int:
         """Bytes of the rows and their optimizer state."""
         return sum(t.numel() * t.element_size() for t in (self.views.weight, *self.views.states))
+
+    def check_room(self, num_rows: int) -> None:
+        """Raise unless a batch of ``num_rows`` distinct rows can be written (host memory: always)."""
 
     def staging(self) -> TableViews:
         """New, uninitialised tensors shaped as :attr:`views` (a checkpoint load reads into them
@@ -119,8 +125,7 @@ class FileRowStore(RowStore):
     def __init__(self, rows: int, kernel: TableViews, *, directory: Path, name: str, table: str) -> None:
         shapes = _row_shapes(rows, kernel)
         need = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes)
-        stat = os.statvfs(directory)
-        free = stat.f_bavail * stat.f_frsize
+        free = free_bytes(directory)
         if need > free:
             raise ValueError(
                 f"table {table!r}: its row store needs {need} bytes under {str(directory)!r}, which has {free} "
@@ -140,6 +145,26 @@ class FileRowStore(RowStore):
         self._name = name
         self._table = table
 
+    def check_room(self, num_rows: int) -> None:
+        """Raise unless the file system has room for what a batch of ``num_rows`` distinct rows may
+        write: each row initialised at first use and, once evicted, another row written back, in
+        every file (a write into a sparse file with no room left would kill the process with
+        ``SIGBUS`` instead). The host stage checks this, where a failure is agreed across ranks.
+
+        Raises:
+            OSError: ``ENOSPC``, naming the table, the directory, the bytes free and needed.
+        """
+        row_bytes = sum(t[0].numel() * t.element_size() + _PAGE for t in (self.views.weight, *self.views.states))
+        need = 2 * num_rows * row_bytes
+        free = free_bytes(self.directory)
+        if need > free:
+            raise OSError(
+                errno.ENOSPC,
+                f"table {self._table!r}: its row store under {str(self.directory)!r} has {free} bytes free, and a "
+                f"batch may write up to {need}; free space there (the store's files are sparse: they take disk "
+                "as rows are written)",
+            )
+
     def staging(self) -> TableViews:
         """Staging tensors in files beside the store's (the table may be larger than memory),
         unlinked once mapped: their space is freed with the tensors.
@@ -147,8 +172,7 @@ class FileRowStore(RowStore):
         Raises:
             ValueError: the directory has not the room for them (names the table and path).
         """
-        stat = os.statvfs(self.directory)
-        free = stat.f_bavail * stat.f_frsize
+        free = free_bytes(self.directory)
         if self.nbytes > free:
             raise ValueError(
                 f"table {self._table!r}: loading its row store needs {self.nbytes} bytes of staging space under "
@@ -164,6 +188,12 @@ class FileRowStore(RowStore):
             finally:
                 path.unlink()
         return TableViews(tensors[0], tensors[1:])
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still take on the file system of ``directory``."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
 
 
 def _numel(shape: tuple[int, ...]) -> int:
