@@ -26,7 +26,6 @@ __all__ = [
     "replace_fused_optimizer",
     "sharding_device",
     "sharding_group",
-    "table_configs",
     "without_range_warnings",
 ]
 
@@ -71,11 +70,6 @@ def local_shards(module: Any) -> Iterator[ShardedEmbeddingTable]:
     for sharding in module._embedding_shardings if shardings is None else shardings.values():
         for grouped in sharding._grouped_embedding_configs:
             yield from grouped.embedding_tables
-
-
-def table_configs(module: Any) -> dict[str, Any]:
-    """Table name -> its config, as the sharded module holds it (``_table_name_to_config``)."""
-    return dict(module._table_name_to_config)
 
 
 def fused_lookups(module: Any) -> list[torch.nn.Module]:

@@ -204,7 +204,7 @@ class HostShards:
             try:
                 batch = self.stage.map(dist_input, ctx.token, self.ledger, training, pooled=self._pooled)
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
-                ctx.cache_rows = [self._distinct_cached_rows(kjt) for kjt in mapped]
+                ctx.cache_rows = [self._distinct_cached_rows(kjt, training) for kjt in mapped]
                 if ahead:
                     self.ledger.hold(ctx.token, ctx.batch_rows)
             except Exception as e:  # shared with the other ranks, then re-raised
@@ -290,17 +290,20 @@ class HostShards:
             start += n
         return segments
 
-    def _distinct_cached_rows(self, kjt: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _distinct_cached_rows(
+        self, kjt: KeyedJaggedTensor, training: bool
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per cached table, the distinct store rows ``kjt`` looks up and the inverse; each must fit
-        its device cache (``TableFullError`` naming the table otherwise) and its store must have
-        room for what they may write (``OSError`` ``ENOSPC``)."""
+        its device cache (``TableFullError`` naming the table otherwise) and, in training, its store
+        must have room for what they may write (``OSError`` ``ENOSPC``)."""
         values = kjt.values()
         out = {}
         for table, segs in self._cached_segments(kjt).items():
             rows = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
             uniq, inverse = torch.unique(rows, return_inverse=True)
             self.caches[table].check_fits(uniq.numel())
-            self.caches[table].store.check_room(uniq.numel())
+            if training:
+                self.caches[table].store.check_room(uniq.numel())
             out[table] = (uniq, inverse)
         return out
 
@@ -372,7 +375,9 @@ class HostShardedModule:
         return self._shards.ledger
 
     def table_views(self) -> dict[str, TableViews]:
-        """Per local table: the fused kernel's weight view and per-row optimizer state views."""
+        """Per local table, all its rows' weight and per-row optimizer state views: the fused
+        kernel's, or a cached table's store (after every changed cache row is written back and the
+        cache emptied: write these, e.g. a checkpoint load, and the cache fills from them)."""
         return self._shards.views
 
     def staging_views(self, table: str) -> TableViews:
