@@ -62,7 +62,7 @@ class FailureAgreement:
         self._group = group
         self._what = what
         self._peer_error = peer_error
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending: tuple[Any, torch.Tensor | None, BaseException | None] | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -96,22 +96,25 @@ class FailureAgreement:
         if int(flag) != 0:
             self._exchange(error, what)
 
-    def start(self, error: BaseException | None) -> None:
+    def start(self, error: BaseException | None, *, defer: bool = False) -> None:
         """Asynchronous agreement: a healthy rank returns at once, :meth:`settle` finishes it.
 
         A failing rank waits for the flag, exchanges messages and raises here; a healthy rank
         keeps working (e.g. looks its rows up) and calls :meth:`settle` before the first
-        collective a failed rank would not join.
+        collective a failed rank would not join. With ``defer``, a failing rank returns too: it
+        must then join every collective its peers run until :meth:`settle` (e.g. with a stand-in
+        batch), and :meth:`settle` raises on every rank.
         """
         self.settle()  # one that a raise left pending
         if self.world_size == 1:
-            if error is not None:
+            if error is not None and not defer:
                 raise error
+            self._pending = (None, None, error) if error is not None else None
             return
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        if error is None:
-            self._pending = (work, flag)
+        if error is None or defer:
+            self._pending = (work, flag, error)
             return
         work.wait()
         self._exchange(error, None)
@@ -124,10 +127,15 @@ class FailureAgreement:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        work, flag = pending
-        work.wait()
-        if int(flag) != 0:
-            self._exchange(None, None)
+        work, flag, error = pending
+        if work is not None:
+            work.wait()
+        if error is None and (flag is None or int(flag) == 0):
+            return
+        if self.world_size == 1:
+            assert error is not None
+            raise error
+        self._exchange(error, None)
 
     def _exchange(self, error: BaseException | None, what: str | None) -> None:
         """Every rank, once all know that a rank failed: share the messages and raise."""

@@ -194,7 +194,10 @@ class HostShards:
 
         ``ahead`` (a pipeline's host thread): the batch's rows are held until it computes, and a
         failure raises here (the pipeline agrees on it). Inline: the failure agreement starts
-        here and is settled before the output dist.
+        here and settles once the batch's output dist is done (:meth:`end_compute`); a rank whose
+        stage failed looks up a stand-in (:meth:`_stand_in`) meanwhile, so it joins every
+        collective its peers run, and the agreement's all-reduce overlaps the lookup and the
+        output dist instead of waiting before them.
         """
         if ctx.ids_mapped:
             return dist_input
@@ -215,7 +218,10 @@ class HostShards:
             if error is not None:
                 raise error
         else:
-            self._agreement.start(error)
+            self._agreement.start(error, defer=True)
+            if error is not None:
+                mapped, ctx.missing = self._stand_in(dist_input)
+                ctx.batch_rows, ctx.cache_rows = {}, [{} for _ in mapped]
         ctx.ids_mapped = True
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]
@@ -247,8 +253,11 @@ class HostShards:
         return kjts
 
     def end_compute(self, ctx: HostStageState, awaitable: LazyAwaitable[Any], training: bool) -> None:
-        """After the lookups were issued: the CPU Adam's watch of a training batch (its rows in the
-        kernel: a cached Adam table's slots)."""
+        """After the lookups were issued: the inline failure agreement settles when the output is
+        waited for (after the output dist: every rank raises there if one's host stage failed);
+        the CPU Adam's watch of a training batch (its rows in the kernel: a cached Adam table's
+        slots)."""
+        awaitable.callbacks.append(self._settled)
         if training and torch.is_grad_enabled():
             self._host_adam.watch(awaitable, self._kernel_rows)
 
@@ -307,9 +316,37 @@ class HostShards:
             out[table] = (uniq, inverse)
         return out
 
-    def _after_lookup(self, i: int, output: torch.Tensor) -> torch.Tensor | None:
-        # The first collective a rank whose host stage failed would not join is the output dist.
+    def _settled(self, output: Any) -> Any:
         self._agreement.settle()
+        return output
+
+    def _stand_in(self, dist_input: KJTList) -> tuple[list[KeyedJaggedTensor], list[torch.Tensor | None]]:
+        """What a rank whose host stage failed looks up in place of the received ids, so that its
+        lookups and output dist match its peers': pooled, empty bags (zeros); unpooled, every id
+        on row 0 and marked missing (zeroed after the lookup)."""
+        kjts: list[KeyedJaggedTensor] = []
+        missing: list[torch.Tensor | None] = []
+        for kjt in dist_input:
+            values, lengths = kjt.values(), kjt.lengths()
+            if self._pooled:
+                weights = kjt.weights_or_none()
+                kjts.append(
+                    KeyedJaggedTensor(
+                        keys=kjt.keys(),
+                        values=values.new_zeros(0, dtype=torch.int64),
+                        weights=weights.new_zeros(0) if weights is not None else None,
+                        lengths=torch.zeros_like(lengths),
+                        stride=kjt.stride(),
+                    )
+                )
+                missing.append(None)
+            else:
+                rows = torch.zeros(values.numel(), dtype=torch.int64)
+                kjts.append(KeyedJaggedTensor(keys=kjt.keys(), values=rows, lengths=lengths, stride=kjt.stride()))
+                missing.append(torch.ones(values.numel(), dtype=torch.bool) if values.numel() else None)
+        return kjts, missing
+
+    def _after_lookup(self, i: int, output: torch.Tensor) -> torch.Tensor | None:
         missing = self._missing[i] if i < len(self._missing) else None
         if missing is None:
             return None
