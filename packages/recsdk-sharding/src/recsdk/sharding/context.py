@@ -39,9 +39,8 @@ class HostStageState:
         batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
         missing (list[torch.Tensor | None]): unpooled tables: per sharding type, the ids
             without a row (their embeddings are zeroed after the lookup).
-        cache_rows (list[dict[str, tuple[torch.Tensor, torch.Tensor]]]): per KJT (sharding
-            type), per cached table, the distinct store rows its values look up and the inverse
-            (``torch.unique(..., return_inverse=True)``), found by the host stage.
+        cache_rows (list[dict[str, torch.Tensor]]): per KJT (sharding type), per cached table,
+            the store rows its values look up, in order, as the host stage checked them.
         input_error (Exception | None): what was wrong with this rank's input. ``input_dist``
             sends an empty batch in its place (so peers are not left in the id all-to-all)
             and the host stage raises it through the failure agreement, on every rank.
@@ -51,7 +50,7 @@ class HostStageState:
     ids_mapped: bool = False
     batch_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     missing: list[torch.Tensor | None] = field(default_factory=list)
-    cache_rows: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    cache_rows: list[dict[str, torch.Tensor]] = field(default_factory=list)
     input_error: Exception | None = None
 
 

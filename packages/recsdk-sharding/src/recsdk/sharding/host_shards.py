@@ -207,7 +207,7 @@ class HostShards:
             try:
                 batch = self.stage.map(dist_input, ctx.token, self.ledger, training, pooled=self._pooled)
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
-                ctx.cache_rows = [self._distinct_cached_rows(kjt, training) for kjt in mapped]
+                ctx.cache_rows = [self._cached_rows(kjt, training) for kjt in mapped]
                 if ahead:
                     self.ledger.hold(ctx.token, ctx.batch_rows)
             except Exception as e:  # shared with the other ranks, then re-raised
@@ -241,8 +241,8 @@ class HostShards:
                 cache.forget(rows)
                 reset_rows_(cache.store.views, rows, self.configs[name])
         if self.caches:
-            distinct = ctx.cache_rows
-            kjts = KJTList([self._to_slots(kjt, rows, training) for kjt, rows in zip(kjts, distinct, strict=True)])
+            cached = ctx.cache_rows
+            kjts = KJTList([self._to_slots(kjt, rows, training) for kjt, rows in zip(kjts, cached, strict=True)])
         # What the CPU Adam's watch reads: its tables' rows of this batch in the kernel (slots if cached).
         self._kernel_rows = {
             name: self.caches[name].slots_of(ctx.batch_rows[name]) if name in self.caches else ctx.batch_rows[name]
@@ -262,18 +262,17 @@ class HostShards:
             self._host_adam.watch(awaitable, self._kernel_rows)
 
     def _to_slots(
-        self, kjt: KeyedJaggedTensor, distinct: dict[str, tuple[torch.Tensor, torch.Tensor]], training: bool
+        self, kjt: KeyedJaggedTensor, cached_rows: dict[str, torch.Tensor], training: bool
     ) -> KeyedJaggedTensor:
         """A KJT of store rows with the rows of cached tables replaced by their cache slots
-        (``distinct``: per cached table, the distinct rows and inverse the host stage found)."""
-        if not distinct:
+        (``cached_rows``: per cached table, the store rows its features' values hold, in order)."""
+        if not cached_rows:
             return kjt
         segments = self._cached_segments(kjt)
         values = kjt.values()
         rows = values.to("cpu", copy=True)
         for table, segs in segments.items():
-            uniq, inverse = distinct[table]
-            slots = self.caches[table].to_slots(uniq, training=training).index_select(0, inverse)
+            slots = self.caches[table].to_slots(cached_rows[table], training=training)
             offset = 0
             for a, b in segs:
                 rows[a:b] = slots[offset : offset + b - a]
@@ -299,21 +298,18 @@ class HostShards:
             start += n
         return segments
 
-    def _distinct_cached_rows(
-        self, kjt: KeyedJaggedTensor, training: bool
-    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per cached table, the distinct store rows ``kjt`` looks up and the inverse; each must fit
-        its device cache (``TableFullError`` naming the table otherwise) and, in training, its store
-        must have room for what they may write (``OSError`` ``ENOSPC``)."""
+    def _cached_rows(self, kjt: KeyedJaggedTensor, training: bool) -> dict[str, torch.Tensor]:
+        """Per cached table, the store rows ``kjt``'s values hold for it; they must fit its device
+        cache (``TableFullError`` naming the table otherwise) and, in training, its store must have
+        room for what they may write (``OSError`` ``ENOSPC``)."""
         values = kjt.values()
         out = {}
         for table, segs in self._cached_segments(kjt).items():
             rows = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
-            uniq, inverse = torch.unique(rows, return_inverse=True)
-            self.caches[table].check_fits(uniq.numel())
+            self.caches[table].check_fits(rows)
             if training:
-                self.caches[table].store.check_room(uniq.numel())
-            out[table] = (uniq, inverse)
+                self.caches[table].store.check_room(rows.numel())  # repeats counted: an upper bound
+            out[table] = rows
         return out
 
     def _settled(self, output: Any) -> Any:

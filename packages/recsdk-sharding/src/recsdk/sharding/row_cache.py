@@ -6,7 +6,7 @@ kernel (``ceil(load_factor x rows)`` of them). Store rows are dense (``[0, rows)
 maps them to slots with a plain array (``slot + 1`` per store row, 0 for "not cached"; its pages
 are zero-filled by the OS when first touched, so it costs memory for the rows in use only), and
 keeps per slot the store row it holds, whether a training batch changed it, and its last use and
-use count (which slots the algorithm frees first: LRU or LFU).
+number of lookups (which slots the algorithm frees first: LRU or LFU).
 
 When a batch needs more free slots than there are, the cache frees a whole chunk (a sixteenth of
 the slots, or what the batch needs if more) of the least recently (LRU) or least often (LFU)
@@ -58,8 +58,8 @@ class TableCache:
     Example::
 
         cache = TableCache("item", store, kernel_views["item"], algorithm="lru", rank=0)
-        uniq, inverse = torch.unique(store_rows, return_inverse=True)
-        slots = cache.to_slots(uniq, training=True)[inverse]  # kernel rows for the lookup
+        cache.check_fits(store_rows)  # where the host stage maps the batch
+        slots = cache.to_slots(store_rows, training=True)  # kernel rows for the lookup
     """
 
     def __init__(self, table: str, store: RowStore, kernel: TableViews, *, algorithm: str, rank: int) -> None:
@@ -86,13 +86,17 @@ class TableCache:
         most: the per-row array's pages are resident only where rows are used)."""
         return SLOT_BYTES * slots + ROW_BYTES * rows
 
-    def check_fits(self, num_rows: int) -> None:
-        """Raise unless a batch looking up ``num_rows`` distinct store rows fits the cache: the
-        host stage checks this when it maps the batch, where a failure is agreed across ranks.
+    def check_fits(self, rows: torch.Tensor) -> None:
+        """Raise unless a batch looking up store ``rows`` (repeats allowed) fits the cache: the host
+        stage checks this when it maps the batch, where a failure is agreed across ranks. Counts
+        the distinct rows only when there are more ids than slots.
 
         Raises:
             TableFullError: names the table, the rows the batch uses, the slots and what to raise.
         """
+        if rows.numel() <= self.slots:
+            return
+        num_rows = torch.unique(rows).numel()
         if num_rows > self.slots:
             raise TableFullError(
                 f"table {self.table!r}: a batch uses {num_rows} distinct rows of its shard on rank {self._rank}, "
@@ -101,32 +105,33 @@ class TableCache:
             )
 
     def to_slots(self, rows: torch.Tensor, *, training: bool) -> torch.Tensor:
-        """The slot of each of a batch's distinct store rows, swapping in those not cached.
+        """The slot of each of a batch's store rows, swapping in the rows not cached.
+
+        Only the missed rows are deduplicated (a hit is one gather), so a batch costs little
+        more than its misses.
 
         Args:
-            rows (torch.Tensor): int64 distinct store rows ``[n]`` (``torch.unique`` of the batch's).
+            rows (torch.Tensor): int64 store rows ``[n]`` of one batch (repeats allowed), that
+                passed :meth:`check_fits`.
             training (bool): the batch updates its rows (their slots are written back when they
                 leave the cache).
 
         Returns:
             torch.Tensor: int64 ``[n]`` slots of the fused kernel.
-
-        Raises:
-            TableFullError: more rows than slots (:meth:`check_fits`); nothing changed.
         """
         if rows.numel() == 0:
             return rows
-        self.check_fits(rows.numel())
         self._step += 1
         slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
         miss = slots < 0
-        num_miss = int(miss.sum())
+        num_missed_ids = int(miss.sum())
         self._stats["cache_lookups"] += rows.numel()
-        self._stats["cache_hits"] += rows.numel() - num_miss
-        if num_miss:
+        self._stats["cache_hits"] += rows.numel() - num_missed_ids
+        if num_missed_ids:
+            new_rows = torch.unique(rows[miss])
+            num_miss = new_rows.numel()
             if num_miss > self._free_top:
                 self._evict(num_miss - self._free_top, in_use=slots[~miss])
-            new_rows = rows[miss]
             new_slots = self._free[self._free_top - num_miss : self._free_top].flip(0)
             self._free_top -= num_miss
             with torch.no_grad():
@@ -137,7 +142,7 @@ class TableCache:
             self._dirty.index_fill_(0, new_slots, False)
             if self._lfu:
                 self._uses.index_fill_(0, new_slots, 0)
-            slots[miss] = new_slots
+            slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
         self._last_use.index_fill_(0, slots, self._step)
         if self._lfu:
             self._uses.index_add_(0, slots, torch.ones_like(slots))
@@ -169,8 +174,9 @@ class TableCache:
             self._release(held, self._row_of_slot.index_select(0, held))
 
     def stats(self) -> dict[str, float]:
-        """``cache_slots``, ``cache_rows_held``, ``cache_lookups``, ``cache_hits``, ``cache_hit_rate``
-        (distinct rows per batch found in the cache), ``swap_ins``, ``swap_outs``, ``store_rows``."""
+        """``cache_slots``, ``cache_rows_held``, ``cache_lookups`` (ids looked up), ``cache_hits``
+        (of those, ids whose row was in the cache), ``cache_hit_rate``, ``swap_ins``, ``swap_outs``
+        (rows), ``store_rows``."""
         out: dict[str, float] = dict(self._stats)
         out["cache_slots"] = self.slots
         out["cache_rows_held"] = self.slots - self._free_top
@@ -181,7 +187,7 @@ class TableCache:
 
     def _evict(self, shortfall: int, in_use: torch.Tensor) -> None:
         """Free at least ``shortfall`` slots (a chunk, usually) among those ``in_use`` does not hold."""
-        if self._lfu:  # fewest uses first, then the least recent
+        if self._lfu:  # fewest lookups first, then the least recent
             key = (self._uses << 32) | self._last_use
         else:
             key = self._last_use.clone()

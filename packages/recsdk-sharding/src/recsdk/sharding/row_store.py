@@ -64,7 +64,7 @@ class RowStore:
         return sum(t.numel() * t.element_size() for t in (self.views.weight, *self.views.states))
 
     def check_room(self, num_rows: int) -> None:
-        """Raise unless a batch of ``num_rows`` distinct rows can be written (host memory: always)."""
+        """Raise unless a batch of (at most) ``num_rows`` distinct rows can be written (host memory: always)."""
 
     def staging(self) -> TableViews:
         """New, uninitialised tensors shaped as :attr:`views` (a checkpoint load reads into them
@@ -146,7 +146,7 @@ class FileRowStore(RowStore):
         self._table = table
 
     def check_room(self, num_rows: int) -> None:
-        """Raise unless the file system has room for what a batch of ``num_rows`` distinct rows may
+        """Raise unless the file system has room for what a batch of (at most) ``num_rows`` distinct rows may
         write: each row initialised at first use and, once evicted, another row written back, in
         every file (a write into a sparse file with no room left would kill the process with
         ``SIGBUS`` instead). The host stage checks this, where a failure is agreed across ranks.
