@@ -119,11 +119,8 @@ class FailureAgreement:
         work.wait()
         self._exchange(error, None)
 
-    def settle(self, *_: Any) -> None:
-        """Finish the agreement :meth:`start` left pending (if any); raise if a rank failed.
-
-        Takes and ignores any arguments, so it can serve as a forward hook.
-        """
+    def settle(self) -> None:
+        """Finish the agreement :meth:`start` left pending (if any); raise if a rank failed."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

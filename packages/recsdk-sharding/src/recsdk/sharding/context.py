@@ -14,6 +14,7 @@ from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
 
 __all__ = [
+    "CachedRows",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingCollectionContext",
     "HostStageState",
@@ -21,6 +22,9 @@ __all__ = [
 ]
 
 _TOKENS = itertools.count()
+
+CachedRows = dict[str, tuple[list[tuple[int, int]], torch.Tensor]]
+"""Per cached table: the ``[start, end)`` ranges of its features' values in a KJT, and those values."""
 
 
 def new_batch_token() -> int:
@@ -39,8 +43,9 @@ class HostStageState:
         batch_rows (dict[str, torch.Tensor]): per table, the rows this batch looks up.
         missing (list[torch.Tensor | None]): unpooled tables: per sharding type, the ids
             without a row (their embeddings are zeroed after the lookup).
-        cache_rows (list[dict[str, torch.Tensor]]): per KJT (sharding type), per cached table,
-            the store rows its values look up, in order, as the host stage checked them.
+        cache_rows (list[CachedRows]): per KJT (sharding type), per cached table, the
+            ``[start, end)`` ranges of its features' values and the store rows they hold, as the
+            host stage checked them.
         input_error (Exception | None): what was wrong with this rank's input. ``input_dist``
             sends an empty batch in its place (so peers are not left in the id all-to-all)
             and the host stage raises it through the failure agreement, on every rank.
@@ -50,7 +55,7 @@ class HostStageState:
     ids_mapped: bool = False
     batch_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     missing: list[torch.Tensor | None] = field(default_factory=list)
-    cache_rows: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    cache_rows: list[CachedRows] = field(default_factory=list)
     input_error: Exception | None = None
 
 

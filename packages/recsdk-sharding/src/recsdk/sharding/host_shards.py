@@ -31,7 +31,7 @@ from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
-from recsdk.sharding.context import HostStageState
+from recsdk.sharding.context import CachedRows, HostStageState
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.input_guard import guard_input
@@ -117,7 +117,10 @@ class HostShards:
         self, cached: dict[str, TableCacheSpec], rank: int, module_fqn: str | None, *, pin: bool
     ) -> dict[str, TableCache]:
         """A row store and its device cache per cached table shard on this rank (agreed: a rank
-        whose store cannot be created fails every rank)."""
+        whose store cannot be created fails every rank). Every rank has the same plan, so
+        without cached tables none agrees."""
+        if not cached:
+            return {}
         kernel = self.kernel
         caches: dict[str, TableCache] = {}
         error: Exception | None = None
@@ -261,18 +264,15 @@ class HostShards:
         if training and torch.is_grad_enabled():
             self._host_adam.watch(awaitable, self._kernel_rows)
 
-    def _to_slots(
-        self, kjt: KeyedJaggedTensor, cached_rows: dict[str, torch.Tensor], training: bool
-    ) -> KeyedJaggedTensor:
+    def _to_slots(self, kjt: KeyedJaggedTensor, cached_rows: CachedRows, training: bool) -> KeyedJaggedTensor:
         """A KJT of store rows with the rows of cached tables replaced by their cache slots
-        (``cached_rows``: per cached table, the store rows its features' values hold, in order)."""
+        (``cached_rows``: what :meth:`_cached_rows` found in it)."""
         if not cached_rows:
             return kjt
-        segments = self._cached_segments(kjt)
         values = kjt.values()
         rows = values.to("cpu", copy=True)
-        for table, segs in segments.items():
-            slots = self.caches[table].to_slots(cached_rows[table], training=training)
+        for table, (segs, table_rows) in cached_rows.items():
+            slots = self.caches[table].to_slots(table_rows, training=training)
             offset = 0
             for a, b in segs:
                 rows[a:b] = slots[offset : offset + b - a]
@@ -298,10 +298,10 @@ class HostShards:
             start += n
         return segments
 
-    def _cached_rows(self, kjt: KeyedJaggedTensor, training: bool) -> dict[str, torch.Tensor]:
-        """Per cached table, the store rows ``kjt``'s values hold for it; they must fit its device
-        cache (``TableFullError`` naming the table otherwise) and, in training, its store must have
-        room for what they may write (``OSError`` ``ENOSPC``)."""
+    def _cached_rows(self, kjt: KeyedJaggedTensor, training: bool) -> CachedRows:
+        """Per cached table, where its features' values are in ``kjt`` and the store rows they hold;
+        they must fit its device cache (``TableFullError`` naming the table otherwise) and, in
+        training, its store must have room for what they may write (``OSError`` ``ENOSPC``)."""
         values = kjt.values()
         out = {}
         for table, segs in self._cached_segments(kjt).items():
@@ -309,7 +309,7 @@ class HostShards:
             self.caches[table].check_fits(rows)
             if training:
                 self.caches[table].store.check_room(rows.numel())  # repeats counted: an upper bound
-            out[table] = rows
+            out[table] = (segs, rows)
         return out
 
     def _settled(self, output: Any) -> Any:

@@ -122,7 +122,7 @@ class TableCache:
         if rows.numel() == 0:
             return rows
         self._step += 1
-        slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
+        slots = self._held_slots(rows)
         miss = slots < 0
         num_missed_ids = int(miss.sum())
         self._stats["cache_lookups"] += rows.numel()
@@ -142,7 +142,7 @@ class TableCache:
             self._dirty.index_fill_(0, new_slots, False)
             if self._lfu:
                 self._uses.index_fill_(0, new_slots, 0)
-            slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
+            slots = self._held_slots(rows)
         self._last_use.index_fill_(0, slots, self._step)
         if self._lfu:
             self._uses.index_add_(0, slots, torch.ones_like(slots))
@@ -152,7 +152,7 @@ class TableCache:
 
     def slots_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The slots of store ``rows`` the cache holds (after :meth:`to_slots` of their batch)."""
-        slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
+        slots = self._held_slots(rows)
         if bool((slots < 0).any()):
             raise RuntimeError(f"table {self.table!r}: rows asked for are not in the device cache")
         return slots
@@ -161,7 +161,7 @@ class TableCache:
         """Drop store ``rows`` from the cache without writing them back (they are being reset)."""
         if rows.numel() == 0:
             return
-        slots = self._slot_of_row.index_select(0, rows).long().sub_(1)
+        slots = self._held_slots(rows)
         held = slots >= 0
         if bool(held.any()):
             self._release(slots[held], rows[held])
@@ -216,6 +216,10 @@ class TableCache:
         n = slots.numel()
         self._free[self._free_top : self._free_top + n] = slots
         self._free_top += n
+
+    def _held_slots(self, rows: torch.Tensor) -> torch.Tensor:
+        """The slot of each store row, ``-1`` where the cache does not hold it."""
+        return self._slot_of_row.index_select(0, rows).long().sub_(1)
 
     @staticmethod
     def _copy(src: TableViews, src_rows: torch.Tensor, dst: TableViews, dst_rows: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ write them as they read an all-resident kernel.
 from __future__ import annotations
 
 import errno
+import math
 import os
 from pathlib import Path
 
@@ -124,7 +125,8 @@ class FileRowStore(RowStore):
 
     def __init__(self, rows: int, kernel: TableViews, *, directory: Path, name: str, table: str) -> None:
         shapes = _row_shapes(rows, kernel)
-        need = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes)
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+        need = sum(sizes)
         free = free_bytes(directory)
         if need > free:
             raise ValueError(
@@ -133,12 +135,11 @@ class FileRowStore(RowStore):
                 "(cache_params.load_factor does not shrink the store)"
             )
         tensors = []
-        for i, (shape, dtype) in enumerate(shapes):
+        for i, ((shape, dtype), nbytes) in enumerate(zip(shapes, sizes, strict=True)):
             path = directory / (f"{name}.weight" if i == 0 else f"{name}.state{i - 1}")
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
             with open(path, "wb") as f:  # truncates an old store of the same name
                 f.truncate(nbytes)  # sparse: no block is written
-            flat = torch.from_file(str(path), shared=True, size=_numel(shape), dtype=dtype)
+            flat = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype)
             tensors.append(flat.view(shape))
         super().__init__(TableViews(tensors[0], tensors[1:]), "file", lazy_init=True)
         self.directory = directory
@@ -194,13 +195,6 @@ def free_bytes(directory: Path) -> int:
     """Bytes an unprivileged writer may still take on the file system of ``directory``."""
     stat = os.statvfs(directory)
     return stat.f_bavail * stat.f_frsize
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def store_directory(configured: str, *, rank: int, local_rank: int) -> Path:
