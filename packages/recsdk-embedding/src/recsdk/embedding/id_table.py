@@ -223,6 +223,14 @@ class IdTable(IdTableState):
         """
         flat, shape = self._as_ids(ids, "find_or_insert")
         rows = self._lookup(flat)
+        if flat.numel() and int(rows.min()) >= 0:  # every id has its row: a steady-state step
+            self._step += 1
+            self._stats["lookups"] += flat.numel()
+            self._stats["hits"] += flat.numel()
+            self._touch(rows, self._step)
+            if isinstance(self._eviction, TTLEviction):
+                self._sweep_idle(self._eviction.max_idle_steps)
+            return rows.view(shape)
         miss = rows < 0
         miss_idx = miss.nonzero().squeeze(1)
         num_miss = miss_idx.numel()
@@ -251,10 +259,7 @@ class IdTable(IdTableState):
         self._stats["lookups"] += flat.numel()
         self._stats["hits"] += flat.numel() - num_miss
         if used is not None and num_miss < flat.numel():
-            self._last_step_buf.index_fill_(0, used, step)
-            if isinstance(self._eviction, LFUEviction):
-                freq = self._freq_buf.index_select(0, used).clamp_(max=_INT32_MAX - 1).add_(1)
-                self._freq_buf.index_put_((used,), freq)  # repeats write equal values: +1 per step
+            self._touch(used, step)
         if isinstance(self._eviction, TTLEviction):
             self._sweep_idle(self._eviction.max_idle_steps)
         if uniq is None or inverse is None:
@@ -573,6 +578,15 @@ class IdTable(IdTableState):
         if n == 0 or self._size == 0:
             return torch.full((n,), -1, dtype=torch.int64, device=self._device)
         return self._index.lookup(ids)
+
+    def _touch(self, used: torch.Tensor, step: int) -> None:
+        """Eviction metadata of the rows a step uses (``used``: rows, misses on the spare entry)."""
+        if self._eviction is None:
+            return
+        self._last_step_buf.index_fill_(0, used, step)
+        if isinstance(self._eviction, LFUEviction):
+            freq = self._freq_buf.index_select(0, used).clamp_(max=_INT32_MAX - 1).add_(1)
+            self._freq_buf.index_put_((used,), freq)  # repeats write equal values: +1 per step
 
     def _ensure_slot_room(self, incoming: int) -> None:
         if not self._index.fits(self._size + incoming):

@@ -180,8 +180,8 @@ class IdMappingStage:
                 missing.append(absent)
         finally:
             if reused:
-                ledger.owe(token, {name: torch.cat(rows) for name, rows in reused.items()})
-        return MappedBatch(mapped, {name: torch.cat(rows) for name, rows in used.items()}, missing)
+                ledger.owe(token, {name: _joined(rows) for name, rows in reused.items()})
+        return MappedBatch(mapped, {name: _joined(rows) for name, rows in used.items()}, missing)
 
     def _map_kjt(
         self,
@@ -205,36 +205,46 @@ class IdMappingStage:
         for i, key in enumerate(keys):
             if length_per_key[i] > 0:
                 segments.setdefault(self._feature_to_table[key], []).append((starts[i], starts[i + 1]))
-        rows = torch.empty(values.numel(), dtype=torch.int64)
+        found_all = True  # every id has a row (the steady state: no mask, no compaction)
+        rows_of: dict[str, torch.Tensor] = {}
         with self._lock:
             for name, segs in segments.items():
                 ids = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
                 table_rows = self._find_or_insert(name, ids) if training else self._tables[name].find(ids)
+                table_found = int(table_rows.min()) >= 0
+                found_all = found_all and table_found
                 if training:
                     reassigned = self._tables[name].take_reassigned_rows()
                     if reassigned.numel() > 0:
                         reused.setdefault(name, []).append(reassigned)
-                    admitted = table_rows[table_rows >= 0]
+                    admitted = table_rows if table_found else table_rows[table_rows >= 0]
                     if admitted.numel() > 0:
                         used.setdefault(name, []).append(admitted)
+                rows_of[name] = table_rows
+        if len(segments) == 1 and len(next(iter(segments.values()))) == 1:  # one table's ids, in one piece
+            rows = next(iter(rows_of.values()))
+        else:
+            rows = torch.empty(values.numel(), dtype=torch.int64)
+            for name, segs in segments.items():
                 offset = 0
                 for a, b in segs:
-                    rows[a:b] = table_rows[offset : offset + (b - a)]
+                    rows[a:b] = rows_of[name][offset : offset + (b - a)]
                     offset += b - a
         lengths = kjt.lengths()
         weights = kjt.weights_or_none()
-        keep = rows >= 0
-        if bool(keep.all()):
+        if found_all:
             absent = None
-        elif pooled:
-            absent = None
-            bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
-            lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
-            rows = rows[keep]
-            weights = weights[keep] if weights is not None else None
         else:
-            absent = ~keep
-            rows = rows.masked_fill(absent, 0)
+            keep = rows >= 0
+            if pooled:
+                absent = None
+                bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
+                lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
+                rows = rows[keep]
+                weights = weights[keep] if weights is not None else None
+            else:
+                absent = ~keep
+                rows = rows.masked_fill(absent, 0)
         kjt = KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
         return kjt, absent
 
@@ -255,3 +265,8 @@ class IdMappingStage:
                 f"{table.capacity} of the table's {shard.num_embeddings} rows. {cause}. Raise num_embeddings of "
                 f"table {shard.table!r} (each rank's shard grows with it), {advice}."
             ) from e
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks as one tensor (the chunk itself when there is one: no copy)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)

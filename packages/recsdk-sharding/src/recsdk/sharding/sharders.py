@@ -14,7 +14,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
     replace_placement_with_meta_device,
 )
-from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import BoundsCheckMode, ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
@@ -60,7 +60,10 @@ class _HostSharder:
     """What both hash sharders share: the host env, and row-/table-wise with the fused kernel.
 
     The id work runs on the host over ``host_env``'s gloo group; lookups use TorchRec's fused
-    kernel (``compute_kernel="fused"``) on every device type, CPU included.
+    kernel (``compute_kernel="fused"``) on every device type, CPU included. The kernel's rows
+    come from the id tables (or a cache's slots), never from the user, so FBGEMM's per-batch
+    bounds check of them is off (``bounds_check_mode=BoundsCheckMode.NONE``) unless
+    ``fused_params`` sets one.
     """
 
     fused_params: dict[str, Any] | None
@@ -74,6 +77,7 @@ class _HostSharder:
         qcomm_codecs_registry: dict[str, Any] | None = None,
     ) -> None:
         validate_host_env(host_env)
+        fused_params = {"bounds_check_mode": BoundsCheckMode.NONE, **(fused_params or {})}
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
         self._host_env = host_env
 
