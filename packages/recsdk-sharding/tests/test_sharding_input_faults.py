@@ -156,3 +156,75 @@ def test_a_full_sharded_table_names_the_users_table_and_its_share() -> None:
     own = next(m for m in messages if m.startswith("table 't"))
     assert "num_embeddings of table 't" in own and "@rank" not in own.split(". Raise", 1)[-1], own
     assert "of the table's 16 rows" in own, own
+
+
+def _without_f1(batch: Batch) -> Batch:
+    """The batch without feature ``f1`` (a bad batch: the module's features are f0 and f1)."""
+    f0 = batch.sparse_features["f0"]
+    kjt = KeyedJaggedTensor(keys=["f0"], values=f0.values(), lengths=f0.lengths())
+    return Batch(batch.dense_features, kjt, batch.labels)
+
+
+def _bad_batch_beside_an_empty_one(rank: int, world_size: int, plan: str) -> dict:
+    """Rank 0's batch is bad, rank 1's is empty: the failure still reaches rank 1 (which
+    receives no embedding rows in the output dist, only the header with rank 0's flag)."""
+    model = _model(plan)
+    _train(model, _batch(8, seed=rank))
+    batch = _batch(0 if rank == 1 else 8, seed=10 + rank)
+    if rank == 0:
+        batch = _without_f1(batch)
+    try:
+        _train(model, batch)
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_a_bad_batch_beside_an_empty_batch_raises_on_every_rank(plan: str) -> None:
+    own, peer = run_distributed(_bad_batch_beside_an_empty_one, 2, plan, timeout_s=90)
+    assert own["error"] == "ValueError" and "missing ['f1']" in own["message"], own
+    assert peer["error"] == "PeerFailureError" and "failed on rank(s) [0]" in peer["message"], peer
+
+
+def _host_stage_collectives(rank: int, world_size: int, plan: str, bad: bool) -> dict:
+    """All-reduces issued by a training step (the host stage's agreement would be one), and
+    whether a bad batch on rank 0 raised on every rank."""
+    model = _model(plan)
+    _train(model, _batch(8, seed=rank))
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    batch = _batch(8, seed=10 + rank)
+    if bad and rank == 0:
+        batch = _without_f1(batch)
+    torch.distributed.all_reduce = counting
+    try:
+        _train(model, batch)
+        error = None
+    except Exception as e:
+        error = type(e).__name__
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    return {"all_reduces": len(calls), "error": error}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_the_pooled_output_dists_carry_the_host_stages_flag(plan: str) -> None:
+    """On gloo the inline host stage's failure flag rides in the output dist's all-to-all: a
+    good step issues no all-reduce for it."""
+    for rank in run_distributed(_host_stage_collectives, 2, plan, False, timeout_s=90):
+        assert rank == {"all_reduces": 0, "error": None}, rank
+
+
+def test_a_table_wise_rank_without_tables_agrees_by_all_reduce() -> None:
+    """Three ranks, two table-wise tables: one rank sends no columns, so the table-wise dist
+    cannot carry the flag; the agreement's all-reduce does, and a failure still fails all."""
+    good = run_distributed(_host_stage_collectives, 3, "table_wise", False, timeout_s=120)
+    assert [r["all_reduces"] for r in good] == [1, 1, 1] and all(r["error"] is None for r in good), good
+    bad = run_distributed(_host_stage_collectives, 3, "table_wise", True, timeout_s=120)
+    assert [r["error"] for r in bad] == ["ValueError", "PeerFailureError", "PeerFailureError"], bad

@@ -160,6 +160,45 @@ def quantized_comms(output_dist: Any) -> bool:
     return output_dist._codecs is not None
 
 
+__all__ += ["has_output_callbacks", "output_dists", "tw_all_to_all", "tw_dim_sum_per_rank", "tw_output_dist_kwargs"]
+
+
+def output_dists(module: Any) -> list[Any]:
+    """A TorchRec sharded embedding module's output dists, one per sharding group (``_output_dists``)."""
+    return list(module._output_dists)
+
+
+def tw_output_dist_kwargs(sharding: Any, device: Any) -> dict[str, Any]:
+    """What TorchRec's ``TwPooledEmbeddingSharding.create_output_dist`` builds its
+    ``TwPooledEmbeddingDist`` with (``_pg``, ``_dim_sum_per_rank()``,
+    ``_emb_dim_per_rank_per_feature()``, ``_device``)."""
+    return {
+        "pg": sharding._pg,
+        "dim_sum_per_rank": sharding._dim_sum_per_rank(),
+        "emb_dim_per_rank_per_feature": sharding._emb_dim_per_rank_per_feature(),
+        "device": device if device is not None else sharding._device,
+        "qcomm_codecs_registry": sharding.qcomm_codecs_registry,
+    }
+
+
+def tw_dim_sum_per_rank(output_dist: Any) -> list[int]:
+    """The embedding columns each rank sends in a ``TwPooledEmbeddingDist`` (``_dim_sum_per_rank``)."""
+    return list(output_dist._dim_sum_per_rank)
+
+
+def has_output_callbacks(output_dist: Any) -> bool:
+    """Whether a ``TwPooledEmbeddingDist`` applies callbacks to its output (``_callbacks``)."""
+    return bool(output_dist._callbacks)
+
+
+def tw_all_to_all(output_dist: Any, sharding_ctx: Any) -> Any:
+    """The ``PooledEmbeddingsAllToAll`` of a ``TwPooledEmbeddingDist`` (``_dist``, which TorchRec
+    builds on the first call with ``_create_output_dist_module``)."""
+    if output_dist._dist is None:
+        output_dist._create_output_dist_module(sharding_ctx)
+    return output_dist._dist
+
+
 def user_sharding_plan(module: Any, plan: Mapping[str, Any]) -> Any:
     """``module_sharding_plan`` set back to the user's plan for the module's tables.
 

@@ -15,7 +15,9 @@ Duties of a caller:
 
 One agreement is one all-reduce of a flag; only when it is set, the ranks exchange their
 messages (``all_gather_object``). Without ``torch.distributed``, or on a group of one rank,
-it only re-raises the local error.
+it only re-raises the local error. The flag may instead travel in a collective every rank runs
+anyway (``start(..., carrier=...)`` with a :class:`CarriedFlag`: the pooled output dists on
+gloo carry the host stage's); :meth:`FailureAgreement.settle` then reads what arrived.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["FailureAgreement", "PeerFailureError"]
+__all__ = ["CarriedFlag", "FailureAgreement", "PeerFailureError"]
 
 
 class PeerFailureError(RuntimeError):
@@ -62,7 +64,7 @@ class FailureAgreement:
         self._group = group
         self._what = what
         self._peer_error = peer_error
-        self._pending: tuple[Any, torch.Tensor | None, BaseException | None] | None = None
+        self._pending: tuple[Any, torch.Tensor | CarriedFlag | None, BaseException | None] | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -96,7 +98,7 @@ class FailureAgreement:
         if int(flag) != 0:
             self._exchange(error, what)
 
-    def start(self, error: BaseException | None, *, defer: bool = False) -> None:
+    def start(self, error: BaseException | None, *, defer: bool = False, carrier: CarriedFlag | None = None) -> None:
         """Asynchronous agreement: a healthy rank returns at once, :meth:`settle` finishes it.
 
         A failing rank waits for the flag, exchanges messages and raises here; a healthy rank
@@ -104,8 +106,16 @@ class FailureAgreement:
         collective a failed rank would not join. With ``defer``, a failing rank returns too: it
         must then join every collective its peers run until :meth:`settle` (e.g. with a stand-in
         batch), and :meth:`settle` raises on every rank.
+
+        With a ``carrier`` (implies ``defer``; every rank passes one, or none does), no
+        all-reduce runs: the flag is armed in it, collectives of the caller's carry it to every
+        rank, and :meth:`settle` reads it there.
         """
         self.settle()  # one that a raise left pending
+        if carrier is not None:
+            carrier.arm(error is not None)
+            self._pending = (None, carrier, error)
+            return
         if self.world_size == 1:
             if error is not None and not defer:
                 raise error
@@ -127,7 +137,11 @@ class FailureAgreement:
         work, flag, error = pending
         if work is not None:
             work.wait()
-        if error is None and (flag is None or int(flag) == 0):
+        if isinstance(flag, CarriedFlag):
+            any_failed = flag.take()
+            if error is None and not any_failed:
+                return
+        elif error is None and (flag is None or int(flag) == 0):
             return
         if self.world_size == 1:
             assert error is not None
@@ -146,3 +160,55 @@ class FailureAgreement:
             f"{what or self._what} failed on rank(s) {sorted(failed)}: "
             + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
         )
+
+
+class CarriedFlag:
+    """A failure flag that travels in a collective every rank runs anyway, instead of an all-reduce.
+
+    The pooled output dists on gloo (``recsdk.sharding.output_dist``) carry one: each rank's
+    flag goes to every rank (itself included) in a header row of the all-to-all it sends, so
+    once that all-to-all is waited for, every rank knows whether any rank failed. Where a dist
+    cannot carry it in a call, it exchanges the flag with an all-reduce of its own
+    (:meth:`all_reduce`).
+
+    Duties: :meth:`arm` before the carrying collectives run (``FailureAgreement.start`` with
+    ``carrier=``); every carrying collective of that step calls :meth:`outgoing` when it sends
+    and :meth:`record` once received (or :meth:`all_reduce`), every rank alike; then
+    :meth:`take` (``FailureAgreement.settle``) says whether any rank's flag was set, and clears it.
+
+    Example::
+
+        agreement.start(error, carrier=flag)  # before the lookups and their output dists
+        ...                                    # the output dists send flag.outgoing(), record()
+        agreement.settle()                     # raises on every rank if one failed
+    """
+
+    def __init__(self) -> None:
+        self._outgoing = 0.0
+        self._received: list[torch.Tensor] = []
+        self._reductions: list[tuple[Any, torch.Tensor]] = []
+
+    def arm(self, failed: bool) -> None:
+        """This rank's flag for the collectives to come (``failed``: its host stage failed)."""
+        self._outgoing = 1.0 if failed else 0.0
+
+    def outgoing(self) -> float:
+        """The value to send: ``1.0`` if this rank failed, else ``0.0``."""
+        return self._outgoing
+
+    def record(self, flags: torch.Tensor) -> None:
+        """The flags one collective received (any shape; nonzero: that rank failed)."""
+        self._received.append(flags.detach())
+
+    def all_reduce(self, group: dist.ProcessGroup) -> None:
+        """Exchange the flag by an asynchronous all-reduce over ``group`` (a call that cannot carry it)."""
+        flag = torch.tensor([self._outgoing], dtype=torch.float32)
+        self._reductions.append((dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), flag))
+
+    def take(self) -> bool:
+        """Whether any rank's flag was set in what was recorded since the last call; clears it all."""
+        for work, _ in self._reductions:
+            work.wait()
+        flags = self._received + [flag for _, flag in self._reductions]
+        self._received, self._reductions, self._outgoing = [], [], 0.0
+        return any(bool(f.ne(0).any()) for f in flags)

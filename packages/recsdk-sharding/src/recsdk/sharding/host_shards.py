@@ -29,12 +29,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.agreement import FailureAgreement
+from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.context import CachedRows, HostStageState
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.input_guard import guard_input
+from recsdk.sharding.output_dist import FLAG_CARRIERS
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.row_store import create_store
@@ -98,6 +99,14 @@ class HostShards:
         self.stage = IdMappingStage.for_shards(compat.local_shards(module), self.configs, plan, rank, first_use=lazy)
         self.ledger = RowLedger(self.stage.id_tables, self.stage.lock)
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
+        # The inline agreement's flag rides in the pooled output dists' all-to-alls where they can
+        # carry it (gloo), instead of an all-reduce per batch; the same on every rank (the plan).
+        self._flag: CarriedFlag | None = CarriedFlag()
+        carriers = [d for d in compat.output_dists(module) if isinstance(d, FLAG_CARRIERS) and d.carries_flag()]
+        for output_dist in carriers:
+            output_dist.carry(self._flag)
+        if not carriers:
+            self._flag = None
         self._missing: list[torch.Tensor | None] = []  # the computing batch's ids without a row
         self._kernel_rows: dict[str, torch.Tensor] = {}  # the computing batch's rows in the kernel, per Adam table
         lookups = compat.fused_lookups(module)
@@ -199,8 +208,9 @@ class HostShards:
         failure raises here (the pipeline agrees on it). Inline: the failure agreement starts
         here and settles once the batch's output dist is done (:meth:`end_compute`); a rank whose
         stage failed looks up a stand-in (:meth:`_stand_in`) meanwhile, so it joins every
-        collective its peers run, and the agreement's all-reduce overlaps the lookup and the
-        output dist instead of waiting before them.
+        collective its peers run. The flag travels in the pooled output dists' all-to-alls on
+        gloo (``output_dist.FLAG_CARRIERS``), elsewhere in an all-reduce that overlaps the
+        lookup and the output dist.
         """
         if ctx.ids_mapped:
             return dist_input
@@ -221,7 +231,7 @@ class HostShards:
             if error is not None:
                 raise error
         else:
-            self._agreement.start(error, defer=True)
+            self._agreement.start(error, defer=True, carrier=self._flag)
             if error is not None:
                 mapped, ctx.missing = self._stand_in(dist_input)
                 ctx.batch_rows, ctx.cache_rows = {}, [{} for _ in mapped]

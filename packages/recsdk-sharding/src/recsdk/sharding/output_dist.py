@@ -1,4 +1,7 @@
-"""Row-wise pooled output dist for gloo: one all-to-all and a local sum instead of a reduce-scatter.
+"""Pooled output dists for gloo: row-wise as one all-to-all; both carry the host stage's flag.
+
+**Row-wise** (:class:`AllToAllPooledEmbeddingDist`): one all-to-all and a local sum instead of a
+reduce-scatter.
 
 Row-wise sharding returns each rank's partial pooled sums for every rank's samples; the
 owner of the samples adds them up. TorchRec does this with a reduce-scatter, which gloo runs
@@ -8,6 +11,17 @@ all-to-all moves exactly the bytes a reduce-scatter must move, and the sum over 
 partials is cheap on the host, so on gloo this dist is a plain ``all_to_all_single`` forward
 and backward. It also takes unequal batch sizes per rank. Gradients are divided by the world
 size when TorchRec's ``get_gradient_division()`` is on, exactly as its own collectives do.
+
+**Table-wise** (:class:`FlagCarryingTwPooledEmbeddingDist`): TorchRec's all-to-all, with the flag.
+
+**The flag**: a sharded hash module's inline host stage must fail every rank if it fails on
+one (:class:`~recsdk.sharding.FailureAgreement`). Rather than an all-reduce of its own each
+step (on a busy 2-core host, ~0.5-1 ms of a 15 ms step: the wake-ups of one more collective),
+the flag travels in the output dist's all-to-all, which every rank runs anyway: each rank sends
+every rank (itself included) one header row ahead of its rows, filled with its flag
+(:class:`~recsdk.sharding.agreement.CarriedFlag`). A dist carries it only where every rank
+sends a row to every rank (row-wise always; table-wise where every rank holds a table), on gloo,
+without quantized comms; :meth:`carries_flag` says so, the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,11 +33,37 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.agreement import CarriedFlag
 
-__all__ = ["AllToAllPooledEmbeddingDist", "is_gloo"]
+__all__ = [
+    "FLAG_CARRIERS",
+    "AllToAllPooledEmbeddingDist",
+    "FlagCarryingTwPooledEmbeddingDist",
+    "is_gloo",
+    "with_header_rows",
+]
+
+
+def with_header_rows(local_embs: torch.Tensor, rows_per_rank: list[int], value: float) -> torch.Tensor:
+    """``local_embs`` (rows grouped by destination rank) with one row of ``value`` ahead of each group.
+
+    Args:
+        local_embs (torch.Tensor): ``[sum(rows_per_rank), D]``.
+        rows_per_rank (list[int]): the rows going to each rank, in rank order.
+        value (float): what the header rows hold (the carried flag).
+
+    Returns:
+        torch.Tensor: ``[sum(rows_per_rank) + len(rows_per_rank), D]`` (autograd flows to ``local_embs``).
+    """
+    header = local_embs.new_full((1, local_embs.shape[1]), value)
+    pieces: list[torch.Tensor] = []
+    for chunk in local_embs.split(rows_per_rank):
+        pieces += [header, chunk]
+    return torch.cat(pieces)
 
 
 class _SumReceivedPartials(torch.autograd.Function):
@@ -31,13 +71,11 @@ class _SumReceivedPartials(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, local_embs: torch.Tensor, received: torch.Tensor, splits: list[int], pg: dist.ProcessGroup
+        ctx: Any, local_embs: torch.Tensor, partials: torch.Tensor, splits: list[int], pg: dist.ProcessGroup
     ) -> torch.Tensor:
         ctx.splits = splits
         ctx.pg = pg
-        world_size = len(splits)
-        # Explicit width: a rank with no samples has 0 rows, and view(..., 0, -1) is ambiguous.
-        return received.view(world_size, splits[pg.rank()], received.shape[1]).sum(0)
+        return partials.sum(0)  # [world_size, B, D] -> [B, D]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
@@ -56,21 +94,31 @@ class _SumReceivedPartials(torch.autograd.Function):
 
 
 class _AllToAllPooledAwaitable(Awaitable[torch.Tensor]):
-    """The all-to-all runs on gloo's thread from construction; ``wait`` sums and wires autograd."""
+    """The all-to-all runs on gloo's thread from construction; ``wait`` sums and wires autograd.
 
-    def __init__(self, local_embs: torch.Tensor, splits: list[int], pg: dist.ProcessGroup) -> None:
+    With a ``flag``, every rank's rows for each rank come after a header row holding its flag.
+    """
+
+    def __init__(
+        self, local_embs: torch.Tensor, splits: list[int], pg: dist.ProcessGroup, flag: CarriedFlag | None
+    ) -> None:
         super().__init__()
         world_size = pg.size()
-        mine = splits[pg.rank()]
+        header = 0 if flag is None else 1
+        mine = splits[pg.rank()] + header
         self._local_embs = local_embs
         self._splits = splits
         self._pg = pg
+        self._flag = flag
+        send = local_embs.detach()
+        send = send.contiguous() if flag is None else with_header_rows(send, splits, flag.outgoing())
         self._received = local_embs.new_empty((world_size * mine, local_embs.shape[1]))
+        self._mine = mine
         self._work = dist.all_to_all_single(
             self._received,
-            local_embs.detach().contiguous(),
+            send,
             output_split_sizes=[mine] * world_size,
-            input_split_sizes=splits,
+            input_split_sizes=[n + header for n in splits],
             group=pg,
             async_op=True,
         )
@@ -78,7 +126,12 @@ class _AllToAllPooledAwaitable(Awaitable[torch.Tensor]):
     def _wait_impl(self) -> torch.Tensor:
         assert self._work is not None
         self._work.wait()
-        return _SumReceivedPartials.apply(self._local_embs, self._received, self._splits, self._pg)
+        # Explicit width: a rank with no samples has 0 rows, and view(..., 0, -1) is ambiguous.
+        partials = self._received.view(self._pg.size(), self._mine, self._received.shape[1])
+        if self._flag is not None:
+            self._flag.record(partials[:, 0, :1])
+            partials = partials[:, 1:]
+        return _SumReceivedPartials.apply(self._local_embs, partials, self._splits, self._pg)
 
 
 class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
@@ -101,18 +154,98 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
         pooled = dist_(local_embs, sharding_ctx).wait()  # [B_local, 32]
     """
 
+    _flag: CarriedFlag | None = None
+
+    def carries_flag(self) -> bool:
+        """Whether :meth:`carry` can hand it a flag (no quantized comms)."""
+        return not compat.quantized_comms(self)
+
+    def carry(self, flag: CarriedFlag) -> None:
+        """Carry ``flag`` in every call from now on (requires :meth:`carries_flag`)."""
+        self._flag = flag
+
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
     ) -> Awaitable[torch.Tensor]:
-        if compat.quantized_comms(self) or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
-            return super().forward(local_embs, sharding_ctx)
         pg = compat.sharding_group(self)
+        if compat.quantized_comms(self) or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
+            if self._flag is not None:
+                self._flag.all_reduce(pg)
+            return super().forward(local_embs, sharding_ctx)
         world_size = pg.size()
         if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
             splits = list(sharding_ctx.batch_size_per_rank)
         else:
             splits = [local_embs.shape[0] // world_size] * world_size
-        return _AllToAllPooledAwaitable(local_embs, splits, pg)
+        return _AllToAllPooledAwaitable(local_embs, splits, pg, self._flag)
+
+
+class _HeaderRowStripped(Awaitable[torch.Tensor]):
+    """TorchRec's pooled all-to-all awaitable whose output starts with a header row: records the
+    flags in it (one per source rank, at the start of its columns) and returns the rows after it."""
+
+    def __init__(self, inner: Awaitable[torch.Tensor], flag: CarriedFlag, first_columns: list[int]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._flag = flag
+        self._first_columns = torch.tensor(first_columns)
+
+    def _wait_impl(self) -> torch.Tensor:
+        out = self._inner.wait()
+        self._flag.record(out[0].index_select(0, self._first_columns))
+        return out[1:]
+
+
+class FlagCarryingTwPooledEmbeddingDist(TwPooledEmbeddingDist):
+    """TorchRec's table-wise pooled output dist that can carry the host stage's flag.
+
+    Same input and output as TorchRec's ``TwPooledEmbeddingDist`` (``local_embs`` of shape
+    ``[sum(batch_size_per_rank), dim_sum_per_rank[rank]]`` -> ``[batch_size_per_rank[rank],
+    sum(dim_sum_per_rank)]``); with a flag, TorchRec's all-to-all moves one header row more to
+    each rank, and the header is split off the output. It carries one where every rank holds a
+    table (each sends every rank some columns), on gloo, without quantized comms or callbacks;
+    a variable-batch call exchanges the flag by an all-reduce instead.
+
+    Args:
+        as TorchRec's ``TwPooledEmbeddingDist``.
+    """
+
+    _flag: CarriedFlag | None = None
+
+    def carries_flag(self) -> bool:
+        """Whether :meth:`carry` can hand it a flag (the same on every rank: from the plan)."""
+        return (
+            is_gloo(compat.sharding_group(self))
+            and all(d > 0 for d in compat.tw_dim_sum_per_rank(self))
+            and not compat.quantized_comms(self)
+            and not compat.has_output_callbacks(self)
+        )
+
+    def carry(self, flag: CarriedFlag) -> None:
+        """Carry ``flag`` in every call from now on (requires :meth:`carries_flag`)."""
+        self._flag = flag
+
+    def forward(
+        self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> Awaitable[torch.Tensor]:
+        flag = self._flag
+        if flag is None:
+            return super().forward(local_embs, sharding_ctx)
+        pg = compat.sharding_group(self)
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            flag.all_reduce(pg)
+            return super().forward(local_embs, sharding_ctx)
+        world_size = pg.size()
+        if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
+            batch_size_per_rank = list(sharding_ctx.batch_size_per_rank)
+        else:
+            batch_size_per_rank = [local_embs.shape[0] // world_size] * world_size
+        all_to_all = compat.tw_all_to_all(self, sharding_ctx)
+        padded = with_header_rows(local_embs, batch_size_per_rank, flag.outgoing())
+        inner = all_to_all(padded, batch_size_per_rank=[b + 1 for b in batch_size_per_rank])
+        dims = compat.tw_dim_sum_per_rank(self)
+        first_columns = [sum(dims[:r]) for r in range(world_size)]
+        return _HeaderRowStripped(inner, flag, first_columns)
 
 
 def is_gloo(pg: dist.ProcessGroup) -> bool:
@@ -121,3 +254,7 @@ def is_gloo(pg: dist.ProcessGroup) -> bool:
         return dist.get_backend(pg) == dist.Backend.GLOO
     except (ValueError, RuntimeError):  # a group torch.distributed does not know: keep TorchRec's dist
         return False
+
+
+FLAG_CARRIERS = (AllToAllPooledEmbeddingDist, FlagCarryingTwPooledEmbeddingDist)
+"""The output dists that can carry a :class:`~recsdk.sharding.agreement.CarriedFlag` (``carry()``)."""

@@ -8,8 +8,8 @@
 * :class:`HostRwSequenceEmbeddingSharding`, :class:`HostTwSequenceEmbeddingSharding`: the same
   host input dists for unpooled tables, with TorchRec's sequence output dists.
 
-Each overrides one TorchRec hook (``create_input_dist`` or ``create_output_dist``) and keeps
-the rest of TorchRec's sharding.
+Each overrides TorchRec's ``create_input_dist`` or ``create_output_dist`` hooks (the host
+table-wise both) and keeps the rest of TorchRec's sharding.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSequenceFeaturesDist, OwnerSparseFeaturesDist
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, is_gloo
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarryingTwPooledEmbeddingDist, is_gloo
 
 __all__ = [
     "HOST_SHARDING_TYPES",
@@ -97,7 +97,8 @@ class HostRwPooledEmbeddingSharding(_HostGroupSharding, GlooRwPooledEmbeddingSha
 
 
 class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):
-    """Table-wise sharding whose id all-to-all runs over the host group.
+    """Table-wise sharding whose id all-to-all runs over the host group; its output dist is
+    TorchRec's, able to carry the host stage's failure flag (:class:`FlagCarryingTwPooledEmbeddingDist`).
 
     Args:
         sharding_infos, env, device, qcomm_codecs_registry: as TorchRec's
@@ -107,6 +108,9 @@ class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingShardin
 
     def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
         return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
+
+    def create_output_dist(self, device: torch.device | None = None) -> FlagCarryingTwPooledEmbeddingDist:
+        return FlagCarryingTwPooledEmbeddingDist(**compat.tw_output_dist_kwargs(self, device))
 
 
 class HostRwSequenceEmbeddingSharding(_HostGroupSharding, RwSequenceEmbeddingSharding):
