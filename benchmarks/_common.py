@@ -29,7 +29,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -103,7 +103,11 @@ def feature_names(n: int) -> list[str]:
 
 
 def table_configs(
-    kind: Literal["hash", "torchrec"], features: list[str], dim: int, rows: int
+    kind: Literal["hash", "torchrec"],
+    features: list[str],
+    dim: int,
+    rows: int,
+    data_type: DataType = DataType.FP32,
 ) -> list[EmbeddingBagConfig]:
     """One table ``t<i>`` of ``rows`` rows and dim ``dim`` per feature.
 
@@ -113,6 +117,7 @@ def table_configs(
         features (list[str]): one table per feature, in this order.
         dim (int): embedding dim.
         rows (int): ``num_embeddings`` of every table.
+        data_type (DataType): the rows' dtype in the fused kernel (``FP32`` or ``FP16``).
 
     Returns:
         list[EmbeddingBagConfig]: the configs.
@@ -121,7 +126,8 @@ def table_configs(
         raise ValueError(f"table_configs: kind must be 'hash' or 'torchrec', got {kind!r}")
     config = HashEmbeddingBagConfig if kind == "hash" else EmbeddingBagConfig
     return [
-        config(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f]) for i, f in enumerate(features)
+        config(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f], data_type=data_type)
+        for i, f in enumerate(features)
     ]
 
 
@@ -154,10 +160,12 @@ def shard(
     *,
     embeddings: nn.Module | None = None,
     enumerator: Literal["torchrec", "hybrid"] = "torchrec",
+    sparse_optimizer: type[torch.optim.Optimizer] = torch.optim.Adagrad,
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """Shard ``model`` over the world on CPU and build its optimizer.
 
-    Adagrad (lr 0.05, eps 0.1) is fused into the backward of the embedding tables; the planner
+    Adagrad (lr 0.05, eps 0.1; or ``sparse_optimizer``, e.g. TorchRec's ``RowWiseAdagrad``) is
+    fused into the backward of the embedding tables; the planner
     makes one plan for all ranks under ``constraints``; the dense parameters get Adagrad (lr
     0.05); both optimizers are combined. ``dmp.plan`` is the plan it chose.
 
@@ -172,6 +180,8 @@ def shard(
         enumerator (str): ``"torchrec"``: TorchRec's default ``EmbeddingShardingPlanner``;
             ``"hybrid"``: the same planner with recsdk's ``HybridEmbeddingEnumerator`` (id table
             storage counted, constraints checked against the sharders).
+        sparse_optimizer (type[torch.optim.Optimizer]): the optimizer fused into the tables'
+            backward, with the same lr and eps.
 
     Returns:
         tuple[DistributedModelParallel, CombinedOptimizer]: the sharded model and its optimizer.
@@ -179,7 +189,7 @@ def shard(
     tables = model.ebc if embeddings is None else embeddings
     if not isinstance(tables, nn.Module):
         raise TypeError(f"shard: the embeddings must be a module, got {type(tables).__name__}")
-    apply_optimizer_in_backward(torch.optim.Adagrad, tables.parameters(), dict(SPARSE_OPTIMIZER))
+    apply_optimizer_in_backward(sparse_optimizer, tables.parameters(), dict(SPARSE_OPTIMIZER))
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
     if enumerator == "hybrid":
         planner = EmbeddingShardingPlanner(

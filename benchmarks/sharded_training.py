@@ -19,6 +19,16 @@ Two ranks on gloo, the same DLRM-style model and the same batches in the same ru
   against table-wise on this machine (each rank pools partial sums for every rank's samples).
 - ``torchrec_mch``: TorchRec's ``ManagedCollisionEmbeddingBagCollection`` (MCH) on the raw ids,
   where it runs on CPU; otherwise a line saying why not.
+- ``hash_tw_fp32``, ``hash_tw_fp16``: ``hash_tw`` with TorchRec's ``RowWiseAdagrad`` fused (what
+  FBGEMM's CPU kernel trains fp16 rows with), rows in fp32 and in fp16
+  (``data_type=DataType.FP16``); the lines give each one's bytes of rows (all ranks), and
+  ``ratio_fp16_vs_fp32`` their samples/s and bytes.
+
+Each ``--workload TABLESxIDSxDIM`` (repeatable) is one run of all of the above: TABLES tables of
+dim DIM, one feature each, raw ids drawn from IDS ids per feature (TorchRec's tables get IDS
+rows, recsdk's id tables 2 x IDS). The defaults are this benchmark's own workload (4 tables of
+200,000 ids x 32) and the one the planner issue measured (3 tables of 40,000 x 16, where
+TorchRec's planner mixes a row-wise table into its plan). Every line names its ``workload``.
 
 Measurements alternate between the variants (``--rounds``); samples/s are medians over rounds and
 ratios are medians of the per-round ratios. One JSON line per measurement; the ratio line compares
@@ -26,7 +36,7 @@ ratios are medians of the per-round ratios. One JSON line per measurement; the r
 pick's ratio to the best measured hash layout (the one ahead in the per-round ratios; target 1.0
 within noise) and to ``torchrec_pick`` (target >= 1.0).
 
-    python benchmarks/sharded_training.py [--batch-size 1024] [--steps 40] [--rounds 7] [--tables 4]
+    python benchmarks/sharded_training.py [--workload 4x200000x32 ...] [--batch-size 1024] [--steps 40] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -58,17 +68,24 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
-from recsdk.sharding import HybridEmbeddingEnumerator, HybridPerfModel, get_default_hybrid_sharders
+from recsdk.sharding import (
+    HybridEmbeddingEnumerator,
+    HybridPerfModel,
+    get_default_hybrid_sharders,
+    sharded_hash_modules,
+)
 
 LAYOUTS = {"hash_rw": ("hash", "row_wise"), "hash_tw": ("hash", "table_wise")}
 LAYOUTS |= {"torchrec_tw": ("torchrec", "table_wise"), "torchrec_rw": ("torchrec", "row_wise")}
+DTYPES = {"hash_tw_fp32": DataType.FP32, "hash_tw_fp16": DataType.FP16}  # table-wise, RowWiseAdagrad
 PICKS = {"hash_pick": "hash", "torchrec_pick": "torchrec"}
 
 
@@ -87,21 +104,40 @@ def _datasets(args: argparse.Namespace, world_size: int) -> list[list[Batch]]:
     ]
 
 
-def _model(kind: str, args: argparse.Namespace) -> tuple[DLRM, list[EmbeddingBagConfig]]:
+def _model(
+    kind: str, args: argparse.Namespace, data_type: DataType = DataType.FP32
+) -> tuple[DLRM, list[EmbeddingBagConfig]]:
     torch.manual_seed(0)
     features = feature_names(args.tables)
     rows = 2 * args.id_range if kind == "hash" else args.id_range
-    configs = table_configs(kind, features, args.dim, rows=rows)  # type: ignore[arg-type]
+    configs = table_configs(kind, features, args.dim, rows=rows, data_type=data_type)  # type: ignore[arg-type]
     return DLRM(embedding_collection(configs), features, args.dim), configs
 
 
 def _build(variant: str, args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
+    if variant in DTYPES:
+        model, configs = _model("hash", args, DTYPES[variant])
+        constraints = {c.name: ParameterConstraints(sharding_types=["table_wise"]) for c in configs}
+        sharders = get_default_hybrid_sharders(host_env=host)
+        return shard(model, sharders, constraints, args.batch_size, sparse_optimizer=RowWiseAdagrad)
     if variant not in LAYOUTS:
         raise ValueError(variant)
     kind, sharding = LAYOUTS[variant]
     model, configs = _model(kind, args)
     constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in configs}
     return shard(model, get_default_hybrid_sharders(host_env=host), constraints, args.batch_size)
+
+
+def _row_bytes(model: nn.Module) -> int:
+    """Bytes of the embedding rows the fused kernels hold on all ranks (weights, no optimizer state)."""
+    mine = sum(
+        views.weight.numel() * views.weight.element_size()
+        for module in sharded_hash_modules(model).values()
+        for views in module.table_views().values()
+    )
+    total = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total)
 
 
 def _plan_unconstrained(kind: str, args: argparse.Namespace, host: ShardingEnv, planner: str) -> ShardingPlan:
@@ -198,6 +234,11 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         model, optimizer = _build(name, args, host)
         runs[name] = (model, optimizer, data[LAYOUTS[name][0]])
         layouts[name] = _layout(model.plan)
+    row_bytes: dict[str, int] = {}
+    for name in DTYPES:
+        model, optimizer = _build(name, args, host)
+        runs[name] = (model, optimizer, data["hash"])
+        row_bytes[name] = _row_bytes(model)
     picks: dict[str, dict[str, Any]] = {}
     for name, kind in PICKS.items():
         plan = _plan_unconstrained(kind, args, host, "recsdk" if kind == "hash" else "torchrec")
@@ -218,7 +259,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     for name, pick in picks.items():
         if pick["same_as"] is not None:
             results[name] = results[pick["same_as"]]
-    return {"results": results, "picks": picks}
+    return {"results": results, "picks": picks, "row_bytes": row_bytes}
 
 
 def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -228,21 +269,41 @@ def _probe_mch(rank: int, world_size: int, args: argparse.Namespace) -> None:
     train_samples_per_s(model, optimizer, _datasets(args, world_size)[rank][:3], warmup=1)
 
 
+def _workload(text: str) -> tuple[int, int, int]:
+    """``"TABLESxIDSxDIM"`` -> ``(tables, ids, dim)``."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a workload is TABLESxIDSxDIM, e.g. 4x200000x32, not {text!r}")
+    tables, ids, dim = (int(p) for p in parts)
+    return tables, ids, dim
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--workload",
+        type=_workload,
+        action="append",
+        help="TABLESxIDSxDIM, repeatable (default: 4x200000x32 and 3x40000x16)",
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024, help="per rank")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--tables", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--id-range", type=int, default=200_000)
     parser.add_argument("--pooling", type=float, default=4.0)
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
     args = parser.parse_args(argv)
+    for tables, id_range, dim in args.workload or [(4, 200_000, 32), (3, 40_000, 16)]:
+        args.tables, args.id_range, args.dim = tables, id_range, dim
+        _measure(args)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> None:
+    """Every variant of one workload, as JSON lines."""
     mch_error = None
     try:  # in its own process group with a short timeout: a failure there must not hang the benchmark
         run_distributed(_probe_mch, args.world_size, args, timeout_s=120)
@@ -255,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     out = run_distributed(_run, args.world_size, args, timeout_s=1200)[0]
     common = {
         "benchmark": "sharded_training",
+        "workload": f"{args.tables}x{args.id_range}x{args.dim}",
         "world_size": args.world_size,
         "batch_size_per_rank": args.batch_size,
         "tables": args.tables,
@@ -270,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
 
     for name, value in medians.items():
-        print(json.dumps({**common, "variant": name, "samples_per_s": round(value, 1)}))
+        line = {**common, "variant": name, "samples_per_s": round(value, 1)}
+        if name in DTYPES:
+            line |= {"optimizer": "RowWiseAdagrad", "row_bytes_all_ranks": out["row_bytes"][name]}
+        print(json.dumps(line))
     print(
         json.dumps(
             {
@@ -327,7 +392,17 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     )
-    return 0
+    fp16_bytes = out["row_bytes"]["hash_tw_fp16"] / out["row_bytes"]["hash_tw_fp32"]
+    print(
+        json.dumps(
+            {
+                **common,
+                "metric": "ratio_fp16_vs_fp32",
+                "samples_per_s": round(ratio("hash_tw_fp16", "hash_tw_fp32"), 3),
+                "row_bytes": round(fp16_bytes, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
