@@ -5,7 +5,7 @@ id-to-row mapping in each shard's id table); the device does the lookups with To
 fused kernels and the pooled output dist over the default group.
 """
 
-from recsdk.sharding.agreement import FailureAgreement, PeerFailureError
+from recsdk.sharding.agreement import CarriedFlag, FailureAgreement, PeerFailureError
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
@@ -24,7 +24,7 @@ from recsdk.sharding.input_dist import (
     OwnerSparseFeaturesDist,
     bucketize_by_owner,
 )
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist
+from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarrier, FlagCarryingTwPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.row_cache import TableCache
@@ -57,9 +57,12 @@ __all__ = [
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
+    "CarriedFlag",
     "CheckpointError",
     "FailureAgreement",
     "FileRowStore",
+    "FlagCarrier",
+    "FlagCarryingTwPooledEmbeddingDist",
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",

@@ -35,7 +35,7 @@ from recsdk.sharding.context import CachedRows, HostStageState
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.input_guard import guard_input
-from recsdk.sharding.output_dist import FLAG_CARRIERS
+from recsdk.sharding.output_dist import FlagCarrier
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.row_store import create_store
@@ -102,7 +102,7 @@ class HostShards:
         # The inline agreement's flag rides in the pooled output dists' all-to-alls where they can
         # carry it (gloo), instead of an all-reduce per batch; the same on every rank (the plan).
         self._flag: CarriedFlag | None = CarriedFlag()
-        carriers = [d for d in compat.output_dists(module) if isinstance(d, FLAG_CARRIERS) and d.carries_flag()]
+        carriers = [d for d in compat.output_dists(module) if isinstance(d, FlagCarrier) and d.carries_flag()]
         for output_dist in carriers:
             output_dist.carry(self._flag)
         if not carriers:
@@ -209,7 +209,7 @@ class HostShards:
         here and settles once the batch's output dist is done (:meth:`end_compute`); a rank whose
         stage failed looks up a stand-in (:meth:`_stand_in`) meanwhile, so it joins every
         collective its peers run. The flag travels in the pooled output dists' all-to-alls on
-        gloo (``output_dist.FLAG_CARRIERS``), elsewhere in an all-reduce that overlaps the
+        gloo (``output_dist.FlagCarrier``), elsewhere in an all-reduce that overlaps the
         lookup and the output dist.
         """
         if ctx.ids_mapped:

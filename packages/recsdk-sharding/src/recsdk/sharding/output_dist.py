@@ -21,7 +21,7 @@ the flag travels in the output dist's all-to-all, which every rank runs anyway: 
 every rank (itself included) one header row ahead of its rows, filled with its flag
 (:class:`~recsdk.sharding.agreement.CarriedFlag`). A dist carries it only where every rank
 sends a row to every rank (row-wise always; table-wise where every rank holds a table), on gloo,
-without quantized comms; :meth:`carries_flag` says so, the same on every rank.
+without quantized comms; ``FlagCarrier.carries_flag`` says so, the same on every rank.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import CarriedFlag
 
 __all__ = [
-    "FLAG_CARRIERS",
     "AllToAllPooledEmbeddingDist",
+    "FlagCarrier",
     "FlagCarryingTwPooledEmbeddingDist",
     "is_gloo",
     "with_header_rows",
@@ -64,6 +64,34 @@ def with_header_rows(local_embs: torch.Tensor, rows_per_rank: list[int], value: 
     for chunk in local_embs.split(rows_per_rank):
         pieces += [header, chunk]
     return torch.cat(pieces)
+
+
+class FlagCarrier:
+    """An output dist that can carry a :class:`~recsdk.sharding.agreement.CarriedFlag`.
+
+    Duties: :meth:`carries_flag` answers the same on every rank (it reads the plan, the backend
+    and the comms settings, never the batch); once :meth:`carry` was called, every forward sends
+    the flag and records what arrived, or exchanges it by ``CarriedFlag.all_reduce``.
+    """
+
+    _flag: CarriedFlag | None = None
+
+    def carries_flag(self) -> bool:
+        """Whether :meth:`carry` can hand it a flag."""
+        raise NotImplementedError
+
+    def carry(self, flag: CarriedFlag) -> None:
+        """Carry ``flag`` in every call from now on (requires :meth:`carries_flag`)."""
+        self._flag = flag
+
+
+def _batch_size_per_rank(
+    local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None, world_size: int
+) -> list[int]:
+    """The samples of each rank in ``local_embs`` (equal shares when the context does not say)."""
+    if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
+        return list(sharding_ctx.batch_size_per_rank)
+    return [local_embs.shape[0] // world_size] * world_size
 
 
 class _SumReceivedPartials(torch.autograd.Function):
@@ -134,7 +162,7 @@ class _AllToAllPooledAwaitable(Awaitable[torch.Tensor]):
         return _SumReceivedPartials.apply(self._local_embs, partials, self._splits, self._pg)
 
 
-class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
+class AllToAllPooledEmbeddingDist(FlagCarrier, RwPooledEmbeddingDist):
     """Row-wise pooled output dist as ``all_to_all_single`` + local sum (for gloo groups).
 
     Same input and output as TorchRec's ``RwPooledEmbeddingDist``: ``local_embs`` of shape
@@ -154,15 +182,9 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
         pooled = dist_(local_embs, sharding_ctx).wait()  # [B_local, 32]
     """
 
-    _flag: CarriedFlag | None = None
-
     def carries_flag(self) -> bool:
         """Whether :meth:`carry` can hand it a flag (no quantized comms)."""
         return not compat.quantized_comms(self)
-
-    def carry(self, flag: CarriedFlag) -> None:
-        """Carry ``flag`` in every call from now on (requires :meth:`carries_flag`)."""
-        self._flag = flag
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
@@ -172,11 +194,7 @@ class AllToAllPooledEmbeddingDist(RwPooledEmbeddingDist):
             if self._flag is not None:
                 self._flag.all_reduce(pg)
             return super().forward(local_embs, sharding_ctx)
-        world_size = pg.size()
-        if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
-            splits = list(sharding_ctx.batch_size_per_rank)
-        else:
-            splits = [local_embs.shape[0] // world_size] * world_size
+        splits = _batch_size_per_rank(local_embs, sharding_ctx, pg.size())
         return _AllToAllPooledAwaitable(local_embs, splits, pg, self._flag)
 
 
@@ -196,7 +214,7 @@ class _HeaderRowStripped(Awaitable[torch.Tensor]):
         return out[1:]
 
 
-class FlagCarryingTwPooledEmbeddingDist(TwPooledEmbeddingDist):
+class FlagCarryingTwPooledEmbeddingDist(FlagCarrier, TwPooledEmbeddingDist):
     """TorchRec's table-wise pooled output dist that can carry the host stage's flag.
 
     Same input and output as TorchRec's ``TwPooledEmbeddingDist`` (``local_embs`` of shape
@@ -210,8 +228,6 @@ class FlagCarryingTwPooledEmbeddingDist(TwPooledEmbeddingDist):
         as TorchRec's ``TwPooledEmbeddingDist``.
     """
 
-    _flag: CarriedFlag | None = None
-
     def carries_flag(self) -> bool:
         """Whether :meth:`carry` can hand it a flag (the same on every rank: from the plan)."""
         return (
@@ -220,10 +236,6 @@ class FlagCarryingTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             and not compat.quantized_comms(self)
             and not compat.has_output_callbacks(self)
         )
-
-    def carry(self, flag: CarriedFlag) -> None:
-        """Carry ``flag`` in every call from now on (requires :meth:`carries_flag`)."""
-        self._flag = flag
 
     def forward(
         self, local_embs: torch.Tensor, sharding_ctx: EmbeddingShardingContext | None = None
@@ -236,10 +248,7 @@ class FlagCarryingTwPooledEmbeddingDist(TwPooledEmbeddingDist):
             flag.all_reduce(pg)
             return super().forward(local_embs, sharding_ctx)
         world_size = pg.size()
-        if sharding_ctx is not None and sharding_ctx.batch_size_per_rank:
-            batch_size_per_rank = list(sharding_ctx.batch_size_per_rank)
-        else:
-            batch_size_per_rank = [local_embs.shape[0] // world_size] * world_size
+        batch_size_per_rank = _batch_size_per_rank(local_embs, sharding_ctx, world_size)
         all_to_all = compat.tw_all_to_all(self, sharding_ctx)
         padded = with_header_rows(local_embs, batch_size_per_rank, flag.outgoing())
         inner = all_to_all(padded, batch_size_per_rank=[b + 1 for b in batch_size_per_rank])
@@ -254,7 +263,3 @@ def is_gloo(pg: dist.ProcessGroup) -> bool:
         return dist.get_backend(pg) == dist.Backend.GLOO
     except (ValueError, RuntimeError):  # a group torch.distributed does not know: keep TorchRec's dist
         return False
-
-
-FLAG_CARRIERS = (AllToAllPooledEmbeddingDist, FlagCarryingTwPooledEmbeddingDist)
-"""The output dists that can carry a :class:`~recsdk.sharding.agreement.CarriedFlag` (``carry()``)."""
