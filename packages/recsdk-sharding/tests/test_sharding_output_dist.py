@@ -1,7 +1,9 @@
 """AllToAllPooledEmbeddingDist: the row-wise output dist recsdk uses on gloo.
 
 It must give what TorchRec's reduce-scatter dist gives (same sums forward, same gradients,
-including TorchRec's division by the world size), and also take unequal batch sizes.
+including TorchRec's division by the world size), and also take unequal batch sizes. Carrying
+the host stage's failure flag (it and the table-wise dist) must change neither output nor
+gradients, and every rank must read every rank's flag.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.data.testing import run_distributed
-from recsdk.sharding import AllToAllPooledEmbeddingDist, sharded_hash_modules
+from recsdk.sharding import (
+    AllToAllPooledEmbeddingDist,
+    CarriedFlag,
+    FlagCarryingTwPooledEmbeddingDist,
+    sharded_hash_modules,
+)
 
 DIM = 8
 
@@ -97,3 +104,46 @@ def _output_dists_of_row_wise_modules(rank: int, world_size: int) -> dict[str, l
 def test_row_wise_shardings_on_gloo_use_the_all_to_all_dist() -> None:
     for r in run_distributed(_output_dists_of_row_wise_modules, 2, timeout_s=60):
         assert r == {"hashed": ["AllToAllPooledEmbeddingDist"], "plain": ["AllToAllPooledEmbeddingDist"]}, r
+
+
+def _with_and_without_flag(rank: int, world_size: int, kind: str) -> dict:
+    """The same dist call with a carried flag (rank 1's set) and without one: outputs, gradients,
+    and what each rank read of the flags."""
+    splits = [3, 0, 5][:world_size]  # unequal, and a rank without samples: it still gets the header
+    ctx = EmbeddingShardingContext(batch_size_per_rank=splits)
+
+    def make() -> torch.nn.Module:
+        if kind == "row_wise":
+            return AllToAllPooledEmbeddingDist(dist.group.WORLD, embedding_dims=[DIM])
+        return FlagCarryingTwPooledEmbeddingDist(
+            pg=dist.group.WORLD, dim_sum_per_rank=[DIM] * world_size, emb_dim_per_rank_per_feature=[[DIM]] * world_size
+        )
+
+    results = []
+    flag = CarriedFlag()
+    for carried in (False, True):
+        output_dist = make()
+        if carried:
+            assert output_dist.carries_flag()
+            output_dist.carry(flag)
+            flag.arm(rank == 1)
+        x = _partials(rank, splits).requires_grad_()
+        out = output_dist(x, ctx).wait()
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(300 + rank))).sum().backward()
+        assert x.grad is not None
+        results.append((out.detach(), x.grad))
+    (plain_out, plain_grad), (flag_out, flag_grad) = results
+    return {
+        "same": torch.equal(plain_out, flag_out) and torch.equal(plain_grad, flag_grad),
+        "shape": list(flag_out.shape),
+        "failed": flag.take(),
+        "after_take": flag.take(),  # take() clears what it read
+    }
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "table_wise"])
+def test_the_flag_travels_in_the_output_dist_without_changing_it(kind: str) -> None:
+    for rank, r in enumerate(run_distributed(_with_and_without_flag, 3, kind, timeout_s=60)):
+        assert r["same"], (rank, r)
+        assert r["shape"] == [[3, 0, 5][rank], DIM if kind == "row_wise" else 3 * DIM], (rank, r)
+        assert r["failed"] is True and r["after_take"] is False, (rank, r)  # every rank saw rank 1's flag

@@ -185,7 +185,7 @@ class CarriedFlag:
 
     def __init__(self) -> None:
         self._outgoing = 0.0
-        self._received: list[torch.Tensor] = []
+        self._received: list[bool] = []
         self._reductions: list[tuple[Any, torch.Tensor]] = []
 
     def arm(self, failed: bool) -> None:
@@ -197,8 +197,9 @@ class CarriedFlag:
         return self._outgoing
 
     def record(self, flags: torch.Tensor) -> None:
-        """The flags one collective received (any shape; nonzero: that rank failed)."""
-        self._received.append(flags.detach())
+        """The flags one collective received (any shape; nonzero: that rank failed). Read at once:
+        nothing keeps the collective's buffer alive."""
+        self._received.append(bool(flags.ne(0).any()))
 
     def all_reduce(self, group: dist.ProcessGroup) -> None:
         """Exchange the flag by an asynchronous all-reduce over ``group`` (a call that cannot carry it)."""
@@ -209,6 +210,6 @@ class CarriedFlag:
         """Whether any rank's flag was set in what was recorded since the last call; clears it all."""
         for work, _ in self._reductions:
             work.wait()
-        flags = self._received + [flag for _, flag in self._reductions]
+        failed = any(self._received) or any(bool(flag.ne(0).any()) for _, flag in self._reductions)
         self._received, self._reductions, self._outgoing = [], [], 0.0
-        return any(bool(f.ne(0).any()) for f in flags)
+        return failed

@@ -244,6 +244,10 @@ class HostShards:
         """Everything before the lookup of a computing batch; returns its rows' KJTs."""
         # The previous batch's backward has run: its rows may be evicted by this batch's mapping.
         self.ledger.release_finished()
+        if ctx.ids_mapped and self._flag is not None:
+            # Mapped ahead (its failures were agreed then): the output dists carry the flags all
+            # the same, and every rank reads them, so the header rows never pile up unread.
+            self._agreement.start(None, carrier=self._flag)
         kjts = self.map(ctx, dist_input, ahead=False, training=training)
         kernel = self.kernel
         for name, rows in self.ledger.start_compute(ctx.token).items():
