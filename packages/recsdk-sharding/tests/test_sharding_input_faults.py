@@ -165,33 +165,12 @@ def _without_f1(batch: Batch) -> Batch:
     return Batch(batch.dense_features, kjt, batch.labels)
 
 
-def _bad_batch_beside_an_empty_one(rank: int, world_size: int, plan: str) -> dict:
-    """Rank 0's batch is bad, rank 1's is empty: the failure still reaches rank 1 (which
-    receives no embedding rows in the output dist, only the header with rank 0's flag)."""
+def _flag_steps(rank: int, world_size: int, plan: str, empty_peer: bool) -> dict:
+    """A good step, counting the all-reduces it issues (the host stage's agreement would be one),
+    then a bad batch on rank 0 (beside an empty batch on rank 1 with ``empty_peer``: that rank
+    receives no embedding rows in the output dist, only the header rows with the flags)."""
     model = _model(plan)
-    _train(model, _batch(8, seed=rank))
-    batch = _batch(0 if rank == 1 else 8, seed=10 + rank)
-    if rank == 0:
-        batch = _without_f1(batch)
-    try:
-        _train(model, batch)
-    except Exception as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    return {"error": None}
-
-
-@pytest.mark.parametrize("plan", sorted(PLANS))
-def test_a_bad_batch_beside_an_empty_batch_raises_on_every_rank(plan: str) -> None:
-    own, peer = run_distributed(_bad_batch_beside_an_empty_one, 2, plan, timeout_s=90)
-    assert own["error"] == "ValueError" and "missing ['f1']" in own["message"], own
-    assert peer["error"] == "PeerFailureError" and "failed on rank(s) [0]" in peer["message"], peer
-
-
-def _host_stage_collectives(rank: int, world_size: int, plan: str, bad: bool) -> dict:
-    """All-reduces issued by a training step (the host stage's agreement would be one), and
-    whether a bad batch on rank 0 raised on every rank."""
-    model = _model(plan)
-    _train(model, _batch(8, seed=rank))
+    _train(model, _batch(8, seed=rank))  # builds the input dists
     calls = []
     all_reduce = torch.distributed.all_reduce
 
@@ -199,32 +178,35 @@ def _host_stage_collectives(rank: int, world_size: int, plan: str, bad: bool) ->
         calls.append(1)
         return all_reduce(*args, **kwargs)
 
-    batch = _batch(8, seed=10 + rank)
-    if bad and rank == 0:
-        batch = _without_f1(batch)
     torch.distributed.all_reduce = counting
     try:
-        _train(model, batch)
-        error = None
-    except Exception as e:
-        error = type(e).__name__
+        _train(model, _batch(8, seed=10 + rank))
     finally:
         torch.distributed.all_reduce = all_reduce
-    return {"all_reduces": len(calls), "error": error}
+    batch = _batch(0 if empty_peer and rank == 1 else 8, seed=20 + rank)
+    if rank == 0:
+        batch = _without_f1(batch)
+    try:
+        _train(model, batch)
+    except Exception as e:
+        return {"all_reduces": len(calls), "error": type(e).__name__, "message": str(e)}
+    return {"all_reduces": len(calls), "error": None, "message": ""}
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
-def test_the_pooled_output_dists_carry_the_host_stages_flag(plan: str) -> None:
-    """On gloo the inline host stage's failure flag rides in the output dist's all-to-all: a
-    good step issues no all-reduce for it."""
-    for rank in run_distributed(_host_stage_collectives, 2, plan, False, timeout_s=90):
-        assert rank == {"all_reduces": 0, "error": None}, rank
+def test_the_output_dists_carry_the_host_stages_flag(plan: str) -> None:
+    """On gloo the inline host stage's failure flag rides in the pooled output dist's all-to-all:
+    a good step issues no all-reduce for it, and a bad batch on one rank still fails both, also
+    where the other rank's batch is empty."""
+    own, peer = run_distributed(_flag_steps, 2, plan, True, timeout_s=90)
+    assert own["all_reduces"] == peer["all_reduces"] == 0, (own, peer)
+    assert own["error"] == "ValueError" and "missing ['f1']" in own["message"], own
+    assert peer["error"] == "PeerFailureError" and "failed on rank(s) [0]" in peer["message"], peer
 
 
 def test_a_table_wise_rank_without_tables_agrees_by_all_reduce() -> None:
     """Three ranks, two table-wise tables: one rank sends no columns, so the table-wise dist
     cannot carry the flag; the agreement's all-reduce does, and a failure still fails all."""
-    good = run_distributed(_host_stage_collectives, 3, "table_wise", False, timeout_s=120)
-    assert [r["all_reduces"] for r in good] == [1, 1, 1] and all(r["error"] is None for r in good), good
-    bad = run_distributed(_host_stage_collectives, 3, "table_wise", True, timeout_s=120)
-    assert [r["error"] for r in bad] == ["ValueError", "PeerFailureError", "PeerFailureError"], bad
+    ranks = run_distributed(_flag_steps, 3, "table_wise", False, timeout_s=120)
+    assert [r["all_reduces"] for r in ranks] == [1, 1, 1], ranks
+    assert [r["error"] for r in ranks] == ["ValueError", "PeerFailureError", "PeerFailureError"], ranks
