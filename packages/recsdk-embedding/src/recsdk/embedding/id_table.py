@@ -223,24 +223,23 @@ class IdTable(IdTableState):
         """
         flat, shape = self._as_ids(ids, "find_or_insert")
         rows = self._lookup(flat)
-        if flat.numel() and int(rows.min()) >= 0:  # every id has its row: a steady-state step
-            self._step += 1
-            self._stats["lookups"] += flat.numel()
-            self._stats["hits"] += flat.numel()
-            self._touch(rows, self._step)
-            if isinstance(self._eviction, TTLEviction):
-                self._sweep_idle(self._eviction.max_idle_steps)
-            return rows.view(shape)
-        miss = rows < 0
-        miss_idx = miss.nonzero().squeeze(1)
-        num_miss = miss_idx.numel()
         # Rows this batch holds, with misses sent to the spare metadata entry at index ``capacity``.
-        used = rows.masked_fill(miss, self._capacity) if self._eviction is not None else None
+        used: torch.Tensor | None
+        miss_idx: torch.Tensor | None
+        if flat.numel() and int(rows.min()) >= 0:  # every id has its row (the steady state): no misses
+            miss_idx, num_miss = None, 0
+            used = rows if self._eviction is not None else None
+        else:
+            miss = rows < 0
+            miss_idx = miss.nonzero().squeeze(1)
+            num_miss = miss_idx.numel()
+            used = rows.masked_fill(miss, self._capacity) if self._eviction is not None else None
 
         # Read-only phase: work out what to insert and whether it fits, before touching any state.
         uniq = inverse = positions = estimate = admitted = None
         num_new = 0
         if num_miss:
+            assert miss_idx is not None
             uniq, inverse = torch.unique(flat.index_select(0, miss_idx), return_inverse=True)
             if self._sketch is not None:
                 positions = self._sketch.positions(uniq)
@@ -284,6 +283,7 @@ class IdTable(IdTableState):
             else:
                 uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
                 uniq_rows[admitted] = new_rows
+            assert miss_idx is not None
             rows.index_copy_(0, miss_idx, uniq_rows.index_select(0, inverse))
         return rows.view(shape)
 

@@ -101,12 +101,12 @@ class HostShards:
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
         # The inline agreement's flag rides in the pooled output dists' all-to-alls where they can
         # carry it (gloo), instead of an all-reduce per batch; the same on every rank (the plan).
-        self._flag: CarriedFlag | None = CarriedFlag()
         carriers = [d for d in compat.output_dists(module) if isinstance(d, FlagCarrier) and d.carries_flag()]
-        for output_dist in carriers:
-            output_dist.carry(self._flag)
-        if not carriers:
-            self._flag = None
+        self._flag: CarriedFlag | None = None
+        if carriers:
+            self._flag = CarriedFlag()
+            for output_dist in carriers:
+                output_dist.carry(self._flag)
         self._missing: list[torch.Tensor | None] = []  # the computing batch's ids without a row
         self._kernel_rows: dict[str, torch.Tensor] = {}  # the computing batch's rows in the kernel, per Adam table
         lookups = compat.fused_lookups(module)
