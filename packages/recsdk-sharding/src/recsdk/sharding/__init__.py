@@ -24,6 +24,7 @@ from recsdk.sharding.input_dist import (
     OwnerSparseFeaturesDist,
     bucketize_by_owner,
 )
+from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarrier, FlagCarryingTwPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
@@ -63,6 +64,7 @@ __all__ = [
     "FileRowStore",
     "FlagCarrier",
     "FlagCarryingTwPooledEmbeddingDist",
+    "FusedKJTAllToAll",
     "GlooRwPooledEmbeddingSharding",
     "HashEmbeddingBagCollectionContext",
     "HashEmbeddingBagCollectionSharder",

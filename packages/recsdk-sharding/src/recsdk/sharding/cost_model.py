@@ -189,8 +189,8 @@ class HybridCosts:
         lookup_fwd_s_per_call, lookup_bwd_s_per_call: the fused kernel's fixed cost per call.
         comm_s_per_call: a gloo all-to-all's latency, back to back as a step issues them.
         collectives_per_group: all-to-alls per group and step in training: the input dist's
-            splits, lengths and ids, the output dist forward and backward (counted in a profile
-            of a training step; 4 in inference, without the backward).
+            splits and ids (lengths, ids and weights in one: ``FusedKJTAllToAll``), the output
+            dist forward and backward (3 in inference, without the backward).
     """
 
     host_map_s_per_table: float
@@ -207,7 +207,7 @@ class HybridCosts:
     lookup_fwd_s_per_call: float
     lookup_bwd_s_per_call: float
     comm_s_per_call: float
-    collectives_per_group: int = 5
+    collectives_per_group: int = 4
     cache_s_per_table: float = 2.4e-4
     cache_s_per_id: float = 1.5e-7
     swap_in_s_per_row: float = 7.8e-7
@@ -221,7 +221,7 @@ class HybridCosts:
         if on_cpu:  # elsewhere the kernels and the output dist are the device's (TorchRec's estimate)
             seconds += self.lookup_fwd_s_per_call + (self.lookup_bwd_s_per_call if training else 0.0)
             return seconds + collectives * self.comm_s_per_call
-        return seconds + 3 * self.comm_s_per_call  # the input dist's all-to-alls stay on gloo
+        return seconds + 2 * self.comm_s_per_call  # the input dist's all-to-alls stay on gloo
 
 
 DEFAULT_COSTS = HybridCosts(

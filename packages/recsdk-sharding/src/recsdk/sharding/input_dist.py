@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import BaseSparseFeaturesDist
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
 from recsdk.sharding.owner import owner
 
 __all__ = [
@@ -81,7 +81,7 @@ def bucketize_by_owner_with_permute(kjt: KeyedJaggedTensor, world_size: int) -> 
 
 
 class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
-    """Row-wise input dist for raw ids: bucket by :func:`owner`, then ``KJTAllToAll``.
+    """Row-wise input dist for raw ids: bucket by :func:`owner`, then a :class:`FusedKJTAllToAll`.
 
     The all-to-alls run over ``host_pg`` (a gloo group), on CPU tensors; an input on an
     accelerator is first copied to the host.
@@ -95,19 +95,24 @@ class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
         super().__init__()
         self._world_size: int = host_pg.size()
         # TorchRec's pipeline looks for an attribute named `_dist` of type KJTAllToAll.
-        self._dist = KJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size)
+        self._dist = FusedKJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size)
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._dist(bucketize_by_owner(_on_host(sparse_features), self._world_size))
 
 
 class HostTwSparseFeaturesDist(TwSparseFeaturesDist):
-    """Table-wise input dist over the host group: raw ids go, on the CPU, to each table's rank.
+    """Table-wise input dist over the host group: raw ids go, on the CPU, to each table's rank
+    (TorchRec's, with a :class:`FusedKJTAllToAll`).
 
     Args:
         host_pg (dist.ProcessGroup): the host (gloo) process group.
         features_per_rank (list[int]): number of features sent to each rank.
     """
+
+    def __init__(self, host_pg: dist.ProcessGroup, features_per_rank: list[int]) -> None:
+        super().__init__(host_pg, features_per_rank)
+        self._dist = FusedKJTAllToAll(pg=host_pg, splits=features_per_rank)
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
         return self._dist(_on_host(sparse_features))
@@ -129,6 +134,7 @@ class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
     def __init__(self, host_pg: dist.ProcessGroup, num_features: int, device: torch.device | None = None) -> None:
         # TorchRec's block sizes are unused: the owner, not the id's range, picks the bucket.
         super().__init__(host_pg, num_features, feature_hash_sizes=[1] * num_features, is_sequence=True)
+        self._dist = FusedKJTAllToAll(pg=host_pg, splits=[num_features] * host_pg.size())
         self._owners = host_pg.size()
         self._output_device = device
 
@@ -138,4 +144,4 @@ class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
         self.unbucketize_permute_tensor = (
             permute if device is None or device.type in ("cpu", "meta") else permute.to(device, non_blocking=True)
         )
-        return self._dist(bucketed)  # RwSparseFeaturesDist's KJTAllToAll over host_pg (the pipeline's name)
+        return self._dist(bucketed)  # over host_pg, under the name TorchRec's pipeline looks for

@@ -1,0 +1,104 @@
+"""FusedKJTAllToAll: the host input dists' id all-to-all.
+
+It must hand every rank the KJT TorchRec's ``KJTAllToAll`` hands it (keys, lengths, values,
+weights, dtypes, strides) and the exchange's splits, recat and batch sizes that TorchRec's
+shardings read, with the lengths, values and weights in one all-to-all after the splits: two
+collectives a batch where TorchRec's takes three (four with weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.data.testing import run_distributed
+from recsdk.sharding import FusedKJTAllToAll
+
+WORLD = 3
+BATCH = [4, 6, 3]  # unequal batch sizes per rank
+
+
+def _kjt(rank: int, keys: list[str], *, weighted: bool, empty: bool) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(10 + rank)
+    lengths = torch.randint(0, 4, (len(keys) * BATCH[rank],), generator=gen, dtype=torch.int32)
+    if empty:
+        lengths.zero_()
+    n = int(lengths.sum())
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.randint(-(2**62), 2**62, (n,), generator=gen),
+        weights=torch.rand(n, generator=gen) if weighted else None,
+        lengths=lengths,
+        stride=BATCH[rank],
+    )
+
+
+def _exchange(a2a_cls: type, kjt: KeyedJaggedTensor, splits: list[int]) -> tuple[dict[str, Any], int]:
+    calls = 0
+    real = dist.all_to_all_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    with mock.patch.object(dist, "all_to_all_single", counted):
+        tensors = a2a_cls(dist.group.WORLD, splits)(kjt).wait()
+        out = _summary(tensors.wait())
+    # What TorchRec's shardings read off a tensors awaitable (unpooled output dists, batch sizes).
+    assert isinstance(tensors, KJTAllToAllTensorsAwaitable)
+    recat = tensors._recat
+    out["context"] = {
+        "input_splits": tensors._input_splits["values"],
+        "output_splits": tensors._output_splits["values"],
+        "stride_per_rank": tensors._stride_per_rank,
+        "recat": None if recat is None else recat.tolist(),
+    }
+    return out, calls
+
+
+def _summary(kjt: KeyedJaggedTensor) -> dict[str, Any]:
+    weights = kjt.weights_or_none()
+    return {
+        "keys": kjt.keys(),
+        "stride": kjt.stride(),
+        "lengths": kjt.lengths().tolist(),
+        "lengths_dtype": str(kjt.lengths().dtype),
+        "values": kjt.values().tolist(),
+        "weights": None if weights is None else weights.tolist(),
+    }
+
+
+def _both(rank: int, world_size: int) -> list[dict[str, Any]]:
+    cases = [
+        # table-wise: rank 1 holds no feature; weighted; rank 2's batch has no ids
+        (["a", "b", "c"], [2, 0, 1], True),
+        # row-wise: every rank gets every feature (bucketed layout), unweighted
+        (["a", "b"] * world_size, [2] * world_size, False),
+    ]
+    results = []
+    for keys, splits, weighted in cases:
+        kjt = _kjt(rank, keys, weighted=weighted, empty=rank == 2)
+        fused, fused_calls = _exchange(FusedKJTAllToAll, kjt, splits)
+        theirs, their_calls = _exchange(KJTAllToAll, kjt, splits)
+        results.append({"fused": fused, "theirs": theirs, "calls": (fused_calls, their_calls)})
+    return results
+
+
+def test_fused_all_to_all_gives_torchrec_kjt_in_two_collectives() -> None:
+    results = run_distributed(_both, WORLD, timeout_s=60)
+    for rank, cases in enumerate(results):
+        tw, rw = cases
+        for case in cases:
+            assert case["fused"] == case["theirs"], rank
+        assert tw["calls"] == (2, 4), rank  # splits + one, vs splits + lengths, values, weights
+        assert rw["calls"] == (2, 3), rank
+        assert tw["fused"]["stride"] == sum(BATCH)
+        assert tw["fused"]["weights"] is not None and rw["fused"]["weights"] is None
+        assert tw["fused"]["lengths_dtype"] == "torch.int32"
+    assert [r[0]["fused"]["keys"] for r in results] == [["a", "b"], [], ["c"]]
