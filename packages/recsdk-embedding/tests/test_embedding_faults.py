@@ -51,13 +51,36 @@ def _snapshot(ebc: HashEmbeddingBagCollection) -> dict[str, torch.Tensor]:
     ],
 )
 def test_rejected_batch_changes_no_id_table_weight_or_step(values: list[int], lengths: list[int], pattern: str) -> None:
+    _rejected_without_change(_kjt(values, lengths), pattern)
+
+
+def _keyed(keys: list[str], values: list, lengths: list[int], **kwargs: int) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys, torch.tensor(values), lengths=torch.tensor(lengths), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kjt", "pattern"),
+    [
+        # A key twice (its second ids would be dropped unseen).
+        (_keyed(["user", "item", "item"], [99, 5, 6], [1, 1, 1]), "repeat"),
+        # Ids of shape [n, 1].
+        (_keyed(["user", "item"], [[99], [5]], [1, 1]), "must be 1-D"),
+        # 3 lengths for 2 features x stride 2.
+        (_keyed(["user", "item"], [99, 5, 6], [1, 1, 1], stride=2), "3 lengths for 2 features x stride 2"),
+    ],
+)
+def test_malformed_batch_changes_no_state(kjt: KeyedJaggedTensor, pattern: str) -> None:
+    _rejected_without_change(kjt, pattern)
+
+
+def _rejected_without_change(kjt: KeyedJaggedTensor, pattern: str) -> None:
     ebc = _ebc()
     ebc(_kjt([1, 2, 3, 4, 5, 6], [2, 1, 2, 1]))  # some state: ids stored, counts, a step
     before = _snapshot(ebc)
     assert int(before["step.t_user"]) == 1
 
     with pytest.raises(ValueError, match=pattern) as caught:
-        ebc(_kjt(values, lengths))
+        ebc(kjt)
     assert "HashEmbeddingBagCollection" in str(caught.value)
     assert "user" in str(caught.value)
 

@@ -355,6 +355,15 @@ def test_bad_inputs_are_named() -> None:
     weighted = HashEmbeddingBagCollection(tables=_configs(), is_weighted=True)
     with pytest.raises(ValueError, match="weights"):
         weighted(ok)
+    n = ok.values().numel()
+    short = KeyedJaggedTensor(keys=KEYS, values=ok.values(), lengths=ok.lengths(), weights=torch.ones(n - 1))
+    with pytest.raises(ValueError, match=rf"weights of shape \[{n - 1}\]; it needs one weight per id \({n}\)"):
+        weighted(short)
+    integer = KeyedJaggedTensor(
+        keys=KEYS, values=ok.values(), lengths=ok.lengths(), weights=torch.ones(n, dtype=torch.int64)
+    )
+    with pytest.raises(TypeError, match=r"weights of features .* must be floating point, got torch.int64"):
+        weighted(integer)
     with pytest.raises(TypeError, match="HashEmbeddingBagConfig"):
         HashEmbeddingBagCollection(tables=_plain(_configs()))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty"):

@@ -7,6 +7,7 @@ timeout: every rank raises within seconds. Empty batches and any key order train
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
+from recsdk.embedding import HashEmbeddingBagConfig
 
 ROW_WISE = {n: ParameterConstraints(sharding_types=["row_wise"]) for n in ("t0", "t1")}
 TABLE_WISE = {n: ParameterConstraints(sharding_types=["table_wise"]) for n in ("t0", "t1")}
@@ -44,60 +46,125 @@ def _batch(n: int, seed: int, keys: tuple[str, ...] = ("f0", "f1")) -> Batch:
     return Batch(torch.randn(n, 4, generator=g), kjt, torch.randint(0, 2, (n,), generator=g).float())
 
 
-def _train(model: torch.nn.Module, batch: Batch) -> float:
+def _train(model: torch.nn.Module, batch: Batch | SimpleNamespace) -> float:
     loss, _ = model(batch)
     loss.backward()
     return float(loss)
 
 
-def _bad_batch_on_rank0(rank: int, world_size: int, plan: str, fault: str) -> dict:
+def _bad_kjt(kjt: KeyedJaggedTensor, fault: str) -> KeyedJaggedTensor:
+    """``kjt`` (keys f0, f1; 8 samples) made bad in one way."""
+    values, lengths = kjt.values(), kjt.lengths()
+    one = torch.ones(8, dtype=lengths.dtype)
+    if fault == "unknown_last":
+        return KeyedJaggedTensor(
+            ["f0", "f1", "zzz"], torch.cat([values, torch.tensor([5])]), lengths=torch.cat([lengths, one])
+        )
+    if fault == "unknown_first":
+        return KeyedJaggedTensor(
+            ["zzz", "f0", "f1"], torch.cat([torch.tensor([5]), values]), lengths=torch.cat([one, lengths])
+        )
+    if fault == "missing":
+        f0 = kjt["f0"]
+        return KeyedJaggedTensor(keys=["f0"], values=f0.values(), lengths=f0.lengths())
+    if fault == "repeated":
+        return KeyedJaggedTensor(
+            ["f0", "f1", "f1"], torch.cat([values, torch.tensor([5])]), lengths=torch.cat([lengths, one])
+        )
+    if fault == "short_lengths":  # lengths sum to fewer than the ids
+        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat([values, torch.tensor([1, 2, 3])]), lengths=lengths)
+    if fault == "lengths_count":  # 15 lengths for 2 features x 8 samples
+        return KeyedJaggedTensor(
+            keys=kjt.keys(), values=values[: int(lengths[:15].sum())], lengths=lengths[:15], stride=8
+        )
+    if fault == "ids_2d":
+        return KeyedJaggedTensor(keys=kjt.keys(), values=values.view(-1, 1), lengths=lengths)
+    if fault == "vbe":  # a variable batch per feature: 8 samples of f0, 4 of f1
+        f0, f1 = kjt["f0"], kjt["f1"]
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=torch.cat([f0.values(), f1.values()[: int(f1.lengths()[:4].sum())]]),
+            lengths=torch.cat([f0.lengths(), f1.lengths()[:4]]),
+            stride_per_key_per_rank=[[8], [4]],
+            inverse_indices=(kjt.keys(), torch.stack([torch.arange(8), torch.arange(8) % 4])),
+        )
+    raise AssertionError(fault)  # fmt: skip
+
+
+BAD = {
+    "unknown_last": ("ValueError", "unknown ['zzz']"),
+    "unknown_first": ("ValueError", "unknown ['zzz']"),
+    "missing": ("ValueError", "missing ['f1']"),
+    "repeated": ("ValueError", "repeat ['f1']"),
+    "short_lengths": ("ValueError", "sum to"),
+    "lengths_count": ("ValueError", "15 lengths for 2 features x stride 8"),
+    "ids_2d": ("ValueError", "must be 1-D, got shape"),
+    "vbe": ("ValueError", "variable batch per feature"),
+}
+
+
+def _bad_batches_on_rank0(rank: int, world_size: int, plan: str) -> dict:
+    """Each bad batch on rank 0 beside a good one on rank 1, then a good step on both."""
     model = _model(plan)
     _train(model, _batch(8, seed=rank))  # a good first batch builds the input dists
-    batch = _batch(8, seed=10 + rank)
-    if rank == 0:
-        kjt = batch.sparse_features
-        if fault == "unknown_last":
-            kjt = KeyedJaggedTensor(
-                keys=["f0", "f1", "zzz"], values=torch.cat([kjt.values(), torch.tensor([5])]),
-                lengths=torch.cat([kjt.lengths(), torch.ones(8, dtype=kjt.lengths().dtype)]),
-            )  # fmt: skip
-        elif fault == "unknown_first":
-            kjt = KeyedJaggedTensor(
-                keys=["zzz", "f0", "f1"], values=torch.cat([torch.tensor([5]), kjt.values()]),
-                lengths=torch.cat([torch.ones(8, dtype=kjt.lengths().dtype), kjt.lengths()]),
-            )  # fmt: skip
-        elif fault == "missing":
-            f0 = kjt["f0"]
-            kjt = KeyedJaggedTensor(keys=["f0"], values=f0.values(), lengths=f0.lengths())
-        elif fault == "short_lengths":  # lengths sum to fewer than the ids
-            kjt = KeyedJaggedTensor(
-                keys=kjt.keys(), values=torch.cat([kjt.values(), torch.tensor([1, 2, 3])]), lengths=kjt.lengths()
+    out = {}
+    for i, fault in enumerate(BAD):
+        batch = _batch(8, seed=10 + 2 * i + rank)
+        if rank == 0:  # past Batch's own checks, as a user's batch type might be
+            batch = SimpleNamespace(
+                dense_features=batch.dense_features,
+                sparse_features=_bad_kjt(batch.sparse_features, fault),
+                labels=batch.labels,
             )
-        batch = Batch(batch.dense_features, kjt, batch.labels)
-    start = time.monotonic()
-    try:
-        _train(model, batch)
-    except Exception as e:
-        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
+        start = time.monotonic()
+        try:
+            _train(model, batch)
+            out[fault] = {"error": None}
+        except Exception as e:
+            out[fault] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+        _train(model, _batch(8, seed=100 + i + rank))  # and the next good batch trains
+    return out
 
 
-@pytest.mark.parametrize(
-    ("fault", "expected"),
-    [
-        ("unknown_last", "unknown ['zzz']"),
-        ("unknown_first", "unknown ['zzz']"),
-        ("missing", "missing ['f1']"),
-        ("short_lengths", "sum to"),
-    ],
-)
-def test_a_bad_batch_on_one_rank_raises_a_named_error_on_every_rank(fault: str, expected: str) -> None:
-    own, peer = run_distributed(_bad_batch_on_rank0, 2, "mixed", fault, timeout_s=90)
-    assert own["error"] == "ValueError", own
-    assert expected in own["message"] and "HashEmbeddingBagCollection" in own["message"], own
-    assert peer["error"] == "PeerFailureError", peer
-    assert "failed on rank(s) [0]" in peer["message"] and expected in peer["message"], peer
-    assert own["seconds"] < FAST_S and peer["seconds"] < FAST_S, (own, peer)
+def test_bad_batches_on_one_rank_raise_named_errors_on_every_rank_and_training_goes_on() -> None:
+    own, peer = run_distributed(_bad_batches_on_rank0, 2, "mixed", timeout_s=120)
+    for fault, (error, expected) in BAD.items():
+        mine, theirs = own[fault], peer[fault]
+        assert mine["error"] == error and expected in mine["message"], (fault, mine)
+        assert "HashEmbeddingBagCollection" in mine["message"], (fault, mine)
+        assert theirs["error"] == "PeerFailureError", (fault, theirs)
+        assert "failed on rank(s) [0]" in theirs["message"] and expected in theirs["message"], (fault, theirs)
+        assert mine["seconds"] < FAST_S and theirs["seconds"] < FAST_S, (fault, mine, theirs)
+
+
+def _dtypes_differ_across_ranks(rank: int, world_size: int, plan: str) -> dict:
+    """Rank 0 sends int32 ids, float64 weights on an unweighted module (ignored, as unsharded);
+    rank 1 int64 ids above 2**32: every id must be stored whole, and the weights change nothing."""
+    model = _model(plan)
+    ids = torch.arange(1, 9, dtype=torch.int32) if rank == 0 else torch.arange(8) + 2**40
+    lengths = torch.ones(8, dtype=torch.int64)
+    plain = KeyedJaggedTensor(keys=["f0", "f1"], values=ids, lengths=lengths)
+    weighted = KeyedJaggedTensor(
+        keys=["f0", "f1"], values=ids, lengths=lengths, weights=torch.full((8,), 3.0, dtype=torch.float64)
+    )
+    dense = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    labels = torch.zeros(4)
+    _train(model, SimpleNamespace(dense_features=dense, sparse_features=weighted, labels=labels))
+    model.eval()
+    with torch.no_grad():
+        a = model(SimpleNamespace(dense_features=dense, sparse_features=plain, labels=labels))[1]
+        b = model(SimpleNamespace(dense_features=dense, sparse_features=weighted, labels=labels))[1]
+    sebc = sharded_hash_ebc(model)
+    stored = sorted(int(i) for t in sebc.id_tables.values() for i in t.ids_and_rows()[0])
+    return {"stored": stored, "same_output": bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))}  # fmt: skip
+
+
+@pytest.mark.parametrize("plan", ["row_wise", "table_wise"])
+def test_ranks_may_send_other_id_and_weight_dtypes(plan: str) -> None:
+    results = run_distributed(_dtypes_differ_across_ranks, 2, plan, timeout_s=90)
+    sent = set(range(1, 9)) | {2**40 + i for i in range(8)}
+    assert sorted(i for r in results for i in r["stored"]) == sorted(sent), results
+    assert all(r["same_output"] for r in results), results
 
 
 def _shuffled_keys(rank: int, world_size: int, plan: str) -> list[float]:
@@ -210,3 +277,29 @@ def test_a_table_wise_rank_without_tables_agrees_by_all_reduce() -> None:
     ranks = run_distributed(_flag_steps, 3, "table_wise", False, timeout_s=120)
     assert [r["all_reduces"] for r in ranks] == [1, 1, 1], ranks
     assert [r["error"] for r in ranks] == ["ValueError", "PeerFailureError", "PeerFailureError"], ranks
+
+
+def _unmappable_layouts(rank: int, world_size: int) -> dict[str, str]:
+    """Layouts the host stage cannot map: every rank refuses them at sharding, by name."""
+    shared = [
+        HashEmbeddingBagConfig(name=name, embedding_dim=8, num_embeddings=64, feature_names=["f"])
+        for name in ("a", "b")
+    ]
+    out = {}
+    for case, configs, plan in [
+        ("shared_feature", shared, ROW_WISE),
+        ("shard_without_rows", tables(capacity=1, dims=(8, 8)), ROW_WISE),
+    ]:
+        model = SparseNN(configs, num_dense=4, device="meta")
+        try:
+            shard(model, batch_size=8, constraints=plan)
+            out[case] = "built"
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_layouts_the_host_stage_cannot_map_are_refused_on_every_rank() -> None:
+    for r in run_distributed(_unmappable_layouts, 2, timeout_s=90):
+        assert "feature 'f' is read by tables ['a', 'b']" in r["shared_feature"], r
+        assert "table 't0'" in r["shard_without_rows"] and "num_embeddings=1" in r["shard_without_rows"], r

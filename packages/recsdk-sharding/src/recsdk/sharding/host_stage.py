@@ -114,6 +114,7 @@ class IdMappingStage:
             first_use (Iterable[str]): tables whose rows are initialised at first use (their id
                 tables report first-use rows as reassigned: ``IdTable(report_first_use=True)``).
         """
+        _check_layout(configs, plan)
         lazy = set(first_use)
         id_tables, infos = {}, {}
         for table in shards:
@@ -265,6 +266,38 @@ class IdMappingStage:
                 f"{table.capacity} of the table's {shard.num_embeddings} rows. {cause}. Raise num_embeddings of "
                 f"table {shard.table!r} (each rank's shard grows with it), {advice}."
             ) from e
+
+
+def _check_layout(configs: Mapping[str, BaseEmbeddingConfig], plan: Mapping[str, ParameterSharding]) -> None:
+    """Raise, the same on every rank (from the configs and the plan), where the host stage could
+    not map a table's ids: a feature read by two tables (its ids go to one id table per feature)
+    or a shard without rows (its rank owns ids it could not place).
+
+    Raises:
+        ValueError: names the feature and its tables, or the table, its rows and the shard.
+    """
+    tables_of: dict[str, list[str]] = {}
+    for cfg in configs.values():
+        for feature in cfg.feature_names:
+            tables_of.setdefault(feature, []).append(cfg.name)
+    for feature, tables in tables_of.items():
+        if len(tables) > 1:
+            raise ValueError(
+                f"feature {feature!r} is read by tables {tables}: a sharded hash module maps each feature's "
+                "ids in one table; give each table its own feature names"
+            )
+    for name, sharding in plan.items():
+        spec = sharding.sharding_spec
+        for shard in getattr(spec, "shards", ()):
+            rows = int(shard.shard_sizes[0])
+            if rows < 1:
+                num = configs[name].num_embeddings if name in configs else "?"
+                raise ValueError(
+                    f"table {name!r}: its {sharding.sharding_type} plan gives rank {shard.placement.rank()} a "
+                    f"shard of {rows} rows (num_embeddings={num} over {len(spec.shards)} shards); every shard "
+                    f"of a hash table needs rows for the ids its rank owns: raise num_embeddings to at least "
+                    f"{len(spec.shards)}, or shard the table table-wise"
+                )
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:

@@ -2,9 +2,13 @@
 
 A rank whose batch is bad must still join the id all-to-alls, or its peers wait there until the
 process-group timeout. So the input dist checks the batch as the unsharded module does
-(:func:`~recsdk.embedding.check_features`), and for a bad one sends an empty batch of the same
-width and dtypes in its place; the error is raised at the host stage's failure agreement, on
-every rank. A good batch is put in the module's feature order, so any key order works.
+(:func:`~recsdk.embedding.check_features`), and for a bad one sends an empty batch in its place;
+the error is raised at the host stage's failure agreement, on every rank. A variable batch per
+feature (VBE) is refused the same way (the host input dists bucket and map one batch size).
+
+A good batch is put in the module's feature order, so any key order works, and in the dtypes
+every rank sends (the id all-to-all packs each rank's tensors by their dtype): int64 ids,
+float32 weights, and no weights for an unweighted module (which ignores them, as unsharded).
 """
 
 from __future__ import annotations
@@ -42,24 +46,47 @@ def guard_input(
     """
     try:
         kjt = check_features(features, feature_names, module=module, is_weighted=is_weighted)
+        if kjt.variable_stride_per_key():
+            raise ValueError(
+                f"sharded {module}: the KJT of features {kjt.keys()} has a variable batch per feature "
+                "(stride_per_key_per_rank), which its host input dists do not take; give every feature "
+                "the batch's samples (empty bags where a feature has none)"
+            )
     except (TypeError, ValueError) as e:
         return _stand_in(feature_names, features, is_weighted), e
     if kjt.keys() != list(feature_names):
         kjt = kjt.permute([kjt.keys().index(f) for f in feature_names])
-    return kjt, None
+    return _in_sent_dtypes(kjt, is_weighted), None
+
+
+def _in_sent_dtypes(kjt: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor:
+    """``kjt`` with int64 ids, float32 weights where weighted and none otherwise (no copy when
+    it already is)."""
+    values, weights = kjt.values(), kjt.weights_or_none()
+    if values.dtype == torch.int64 and (weights is None if not weighted else weights.dtype == torch.float32):
+        return kjt
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=values.to(torch.int64),
+        weights=weights.to(torch.float32) if weighted and weights is not None else None,
+        lengths=kjt.lengths(),
+        stride=kjt.stride(),
+    )
 
 
 def _stand_in(features: Sequence[str], received: Any, weighted: bool) -> KeyedJaggedTensor:
-    """A batch with no ids, as wide as ``received`` and with its dtypes where it is a KJT (the
-    peers' all-to-alls expect the sizes and dtypes they send), int64 otherwise."""
-    kjt = received if isinstance(received, KeyedJaggedTensor) else None
-    stride = kjt.stride() if kjt is not None else 0
-    values_dtype = kjt.values().dtype if kjt is not None and not kjt.values().is_floating_point() else torch.int64
-    weights = kjt.weights_or_none() if kjt is not None else None
+    """A batch with no ids, in the dtypes every rank sends, as many samples as ``received`` has
+    where that can be told (none otherwise)."""
+    stride = 0
+    if isinstance(received, KeyedJaggedTensor) and not received.variable_stride_per_key():
+        try:
+            stride = received.stride()
+        except Exception:  # a malformed KJT: send no samples
+            stride = 0
     return KeyedJaggedTensor(
         keys=list(features),
-        values=torch.empty(0, dtype=values_dtype),
-        weights=torch.empty(0, dtype=weights.dtype if weights is not None else torch.float32) if weighted else None,
-        lengths=torch.zeros(len(features) * stride, dtype=kjt.lengths().dtype if kjt is not None else torch.int64),
+        values=torch.empty(0, dtype=torch.int64),
+        weights=torch.empty(0, dtype=torch.float32) if weighted else None,
+        lengths=torch.zeros(len(features) * stride, dtype=torch.int32),
         stride=stride,
     )

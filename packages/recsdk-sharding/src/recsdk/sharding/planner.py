@@ -94,6 +94,8 @@ def id_table_bytes(rows: int, config: BaseEmbeddingConfig) -> int:
     ``memory_bytes`` (per-row arrays and, with ``CountAdmission``, the counters), with the
     hash index a host (CPU) table gets in place of the meta table's.
     """
+    if rows < 1:  # no id table (such a plan fails at sharding, naming the table, on every rank)
+        return 0
     admission = getattr(config, "admission", None)
     eviction = getattr(config, "eviction", None)
     return _host_table_bytes(rows, admission=admission, eviction=eviction, name=config.name)
