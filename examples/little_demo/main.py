@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -143,6 +144,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         parser.error(f"--out {args.out}: {e.strerror}")
+    if importlib.util.find_spec("matplotlib") is None:  # the plot comes after training: ask first
+        parser.error("matplotlib is needed for training.png: pip install matplotlib (or run `nox -s demo`)")
     return args
 
 

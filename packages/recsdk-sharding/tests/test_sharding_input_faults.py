@@ -123,6 +123,17 @@ def _bad_batches_on_rank0(rank: int, world_size: int, plan: str) -> dict:
         except Exception as e:
             out[fault] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
         _train(model, _batch(8, seed=100 + i + rank))  # and the next good batch trains
+    # A bad batch whose output nobody waits for (a warm-up call, a dropped result): the flag is
+    # still read, so the next call raises on every rank rather than hanging.
+    batch = _batch(8, seed=200 + rank)
+    sharded_hash_ebc(model)(_bad_kjt(batch.sparse_features, "missing") if rank == 0 else batch.sparse_features)
+    start = time.monotonic()
+    try:
+        _train(model, _batch(8, seed=300 + rank))
+        out["unread"] = {"error": None}
+    except Exception as e:
+        out["unread"] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    _train(model, _batch(8, seed=400 + rank))
     return out
 
 
@@ -135,6 +146,9 @@ def test_bad_batches_on_one_rank_raise_named_errors_on_every_rank_and_training_g
         assert theirs["error"] == "PeerFailureError", (fault, theirs)
         assert "failed on rank(s) [0]" in theirs["message"] and expected in theirs["message"], (fault, theirs)
         assert mine["seconds"] < FAST_S and theirs["seconds"] < FAST_S, (fault, mine, theirs)
+    assert own["unread"]["error"] == "ValueError" and "missing ['f1']" in own["unread"]["message"], own
+    assert peer["unread"]["error"] == "PeerFailureError" and "missing ['f1']" in peer["unread"]["message"], peer
+    assert own["unread"]["seconds"] < FAST_S and peer["unread"]["seconds"] < FAST_S, (own, peer)
 
 
 def _dtypes_differ_across_ranks(rank: int, world_size: int, plan: str) -> dict:

@@ -22,6 +22,7 @@ gloo carry the host stage's); :meth:`FailureAgreement.settle` then reads what ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -172,9 +173,11 @@ class CarriedFlag:
     (:meth:`all_reduce`).
 
     Duties: :meth:`arm` before the carrying collectives run (``FailureAgreement.start`` with
-    ``carrier=``); every carrying collective of that step calls :meth:`outgoing` when it sends
-    and :meth:`record` once received (or :meth:`all_reduce`), every rank alike; then
-    :meth:`take` (``FailureAgreement.settle``) says whether any rank's flag was set, and clears it.
+    ``carrier=``); every carrying collective of that step calls :meth:`outgoing` when it sends,
+    :meth:`expect` with how to receive it, and :meth:`record` once received (or :meth:`all_reduce`),
+    every rank alike; then :meth:`take` (``FailureAgreement.settle``) says whether any rank's flag
+    was set, and clears it. A collective whose output nobody waited for (a forward whose result
+    was dropped) is received by :meth:`take` itself, so every rank still reads every flag.
 
     Example::
 
@@ -187,6 +190,7 @@ class CarriedFlag:
         self._outgoing = 0.0
         self._received: list[bool] = []
         self._reductions: list[tuple[Any, torch.Tensor]] = []
+        self._arrivals: list[Callable[[], None]] = []
 
     def arm(self, failed: bool) -> None:
         """This rank's flag for the collectives to come (``failed``: its host stage failed)."""
@@ -201,6 +205,11 @@ class CarriedFlag:
         nothing keeps the collective's buffer alive."""
         self._received.append(bool(flags.ne(0).any()))
 
+    def expect(self, arrival: Callable[[], None]) -> None:
+        """A carrying collective is in flight: ``arrival()`` waits for it and records what it
+        received, once however often it is called (:meth:`take` calls it)."""
+        self._arrivals.append(arrival)
+
     def all_reduce(self, group: dist.ProcessGroup) -> None:
         """Exchange the flag by an asynchronous all-reduce over ``group`` (a call that cannot carry it)."""
         flag = torch.tensor([self._outgoing], dtype=torch.float32)
@@ -208,8 +217,10 @@ class CarriedFlag:
 
     def take(self) -> bool:
         """Whether any rank's flag was set in what was recorded since the last call; clears it all."""
+        for arrival in self._arrivals:
+            arrival()
         for work, _ in self._reductions:
             work.wait()
         failed = any(self._received) or any(bool(flag.ne(0).any()) for _, flag in self._reductions)
-        self._received, self._reductions, self._outgoing = [], [], 0.0
+        self._received, self._reductions, self._arrivals, self._outgoing = [], [], [], 0.0
         return failed

@@ -150,14 +150,27 @@ class _AllToAllPooledAwaitable(Awaitable[torch.Tensor]):
             group=pg,
             async_op=True,
         )
+        self._flag_read = False
+        if flag is not None:
+            flag.expect(self._read_flag)
+
+    def _partials(self) -> torch.Tensor:
+        # Explicit width: a rank with no samples has 0 rows, and view(..., 0, -1) is ambiguous.
+        return self._received.view(self._pg.size(), self._mine, self._received.shape[1])
+
+    def _read_flag(self) -> None:
+        """Wait for the all-to-all and record the flags it brought (once)."""
+        if self._flag is None or self._flag_read:
+            return
+        self._work.wait()
+        self._flag.record(self._partials()[:, 0, :1])
+        self._flag_read = True
 
     def _wait_impl(self) -> torch.Tensor:
-        assert self._work is not None
         self._work.wait()
-        # Explicit width: a rank with no samples has 0 rows, and view(..., 0, -1) is ambiguous.
-        partials = self._received.view(self._pg.size(), self._mine, self._received.shape[1])
+        partials = self._partials()
         if self._flag is not None:
-            self._flag.record(partials[:, 0, :1])
+            self._read_flag()
             partials = partials[:, 1:]
         return _SumReceivedPartials.apply(self._local_embs, partials, self._splits, self._pg)
 
@@ -207,11 +220,20 @@ class _HeaderRowStripped(Awaitable[torch.Tensor]):
         self._inner = inner
         self._flag = flag
         self._first_columns = torch.tensor(first_columns)
+        self._out: torch.Tensor | None = None
+        flag.expect(self._read_flag)
+
+    def _read_flag(self) -> None:
+        """Wait for the all-to-all, record the flags it brought and keep the rows (once)."""
+        if self._out is None:
+            out = self._inner.wait()
+            self._flag.record(out[0].index_select(0, self._first_columns))
+            self._out = out[1:]
 
     def _wait_impl(self) -> torch.Tensor:
-        out = self._inner.wait()
-        self._flag.record(out[0].index_select(0, self._first_columns))
-        return out[1:]
+        self._read_flag()
+        assert self._out is not None
+        return self._out
 
 
 class FlagCarryingTwPooledEmbeddingDist(FlagCarrier, TwPooledEmbeddingDist):
