@@ -1,7 +1,9 @@
 """Every use of TorchRec/FBGEMM/torch internals in recsdk-sharding, each with why.
 
 recsdk pins TorchRec exactly (``requirements/constraints.txt``); these are the places that read
-or write what TorchRec does not publish. A TorchRec upgrade touches this file only.
+or write what TorchRec does not publish. A TorchRec upgrade touches this file, and
+``kjt_all_to_all.py``, whose awaitables subclass TorchRec's KJT all-to-all awaitables and use
+their fields (the splits, recat and strides TorchRec's shardings read off them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 __all__ = [
+    "disable_mean_pooling_callback",
     "fused_lookups",
     "input_dist_ready",
     "local_shards",
@@ -57,6 +60,12 @@ def input_dist_ready(module: Any) -> bool:
     TorchRec keeps this in ``_has_uninitialized_input_dist``.
     """
     return not bool(module._has_uninitialized_input_dist)
+
+
+def disable_mean_pooling_callback(module: Any) -> None:
+    """Turn off a sharded EBC's own mean (row-wise MEAN tables: a divisor built in its input dist,
+    applied as a callback), which TorchRec keeps in ``_has_mean_pooling_callback``."""
+    module._has_mean_pooling_callback = False
 
 
 def local_shards(module: Any) -> Iterator[ShardedEmbeddingTable]:

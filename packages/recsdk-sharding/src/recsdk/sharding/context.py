@@ -61,7 +61,14 @@ class HostStageState:
 
 @dataclass
 class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext, HostStageState):
-    """TorchRec's EBC context plus :class:`HostStageState`."""
+    """TorchRec's EBC context plus :class:`HostStageState`.
+
+    Attributes:
+        bag_lengths (dict[str, torch.Tensor]): per MEAN feature, its bags' lengths in this rank's
+            batch as received (what :class:`~recsdk.sharding.mean_pooling.MeanPooling` divides by).
+    """
+
+    bag_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

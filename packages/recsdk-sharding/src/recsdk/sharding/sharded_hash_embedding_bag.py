@@ -26,6 +26,7 @@ from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_shards import HostShardedModule, HostShards
+from recsdk.sharding.mean_pooling import MeanPooling
 from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
 
 __all__ = ["ShardedHashEmbeddingBagCollection"]
@@ -83,6 +84,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             kernel_module, kernel_plan, _PREFIX, fused_params
         )
         self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
+        self._mean = MeanPooling(module.embedding_bag_configs())  # MEAN tables: SUM kernels, divided here
         self._init_kernels(
             super().__init__,
             plan=table_name_to_parameter_sharding,
@@ -95,6 +97,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
+        compat.disable_mean_pooling_callback(self)  # TorchRec's row-wise mean: MeanPooling's instead
         self._shards = HostShards(
             self,
             plan=table_name_to_parameter_sharding,
@@ -126,6 +129,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             module, table_name_to_parameter_sharding, prefix, fused_params, suffix
         )
         self._host_adam.rewrite(infos)
+        self._mean.pool_by_sum(infos)
         return infos
 
     def create_embedding_bag_sharding(  # type: ignore[override]
@@ -153,6 +157,8 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         """
         assert isinstance(ctx, HashEmbeddingBagCollectionContext)
         features = self._shards.guard(ctx, features)
+        if ctx.input_error is None:
+            ctx.bag_lengths = self._mean.bag_lengths(features)
         if compat.input_dist_ready(self):
             return super().input_dist(ctx, features)
         with compat.without_range_warnings():  # raw ids are never in TorchRec's [0, num_embeddings)
@@ -164,5 +170,8 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         assert isinstance(ctx, HashEmbeddingBagCollectionContext)
         kjts = self._shards.begin_compute(ctx, input, self.training)
         awaitable = super().compute_and_output_dist(ctx, kjts)
+        if ctx.bag_lengths:
+            lengths = ctx.bag_lengths
+            awaitable.callbacks.append(lambda pooled: self._mean.apply(pooled, lengths))
         self._shards.end_compute(ctx, awaitable, self.training)
         return awaitable
