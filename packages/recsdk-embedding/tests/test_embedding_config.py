@@ -35,6 +35,9 @@ def test_is_a_torchrec_config_with_default_init_and_policies() -> None:
     ("kw", "error", "match"),
     [
         ({"embedding_dim": 6}, ValueError, "multiple of 4"),
+        ({"data_type": "fp32"}, TypeError, "data_type must be a torchrec DataType"),
+        ({"init_fn": 3}, TypeError, "init_fn must be callable"),
+        ({"weight_init_min": 1.0, "weight_init_max": -1.0}, ValueError, "weight_init_min must be <= weight_init_max"),
         ({"embedding_dim": 0}, ValueError, "embedding_dim must be > 0"),
         ({"num_embeddings": 0}, ValueError, "num_embeddings must be > 0"),
         ({"num_embeddings": 2.5}, TypeError, "num_embeddings must be an int"),

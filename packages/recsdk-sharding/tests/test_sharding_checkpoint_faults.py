@@ -84,6 +84,9 @@ def _damaged_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
     before = _snapshot(ddp_model, optimizer)
 
     out: dict[str, Any] = {"latest": latest_checkpoint(root), "paths": paths}
+    # Each rank its own path (a per-rank path in a launcher script): refused on every rank.
+    out["per_rank_paths"] = _timed_call(lambda: save_checkpoint(ddp_model, optimizer, os.path.join(root, f"r{rank}")))
+    out["per_rank_paths"]["written"] = sorted(p for p in os.listdir(root) if p.startswith(("r0", "r1", ".r")))
     for case, verify in (("flipped_weights", True), ("flipped_rows", False), ("truncated", False), ("missing", False)):
         result = _timed_call(lambda p=paths[case], v=verify: load_checkpoint(ddp_model, optimizer, p, verify=v))
         result["unchanged"] = _same(_snapshot(ddp_model, optimizer), before)
@@ -107,6 +110,14 @@ def _damaged_loads(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def damaged(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("damaged")
     return run_distributed(_damaged_loads, 2, str(root), timeout_s=PG_TIMEOUT_S)
+
+
+def test_a_save_to_a_different_path_on_each_rank_is_refused_on_every_rank(damaged) -> None:
+    for rank, r in enumerate(damaged):
+        error = r["per_rank_paths"]["error"]
+        assert error is not None and error["type"] == "ValueError", (rank, r["per_rank_paths"])
+        assert "every rank must pass the same path" in error["message"] and "rank 1: " in error["message"], error
+        assert r["per_rank_paths"]["written"] == [], r["per_rank_paths"]  # nothing created
 
 
 def _assert_every_rank_raised(results: list[dict[str, Any]], case: str) -> None:

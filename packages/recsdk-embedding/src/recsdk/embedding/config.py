@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
 
 from recsdk.embedding.id_table_state import _MAX_CAPACITY
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, check_policies
@@ -43,6 +49,13 @@ def _check_table(cfg: BaseEmbeddingConfig, admission: CountAdmission | None, evi
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
         raise ValueError(f"{where}: feature names must be distinct, repeated: {dups}")
+    if not isinstance(cfg.data_type, DataType):
+        raise TypeError(f"{where}: data_type must be a torchrec DataType (e.g. DataType.FP16), got {cfg.data_type!r}")
+    if cfg.init_fn is not None and not callable(cfg.init_fn):
+        raise TypeError(f"{where}: init_fn must be callable (weight -> weight) or None, got {cfg.init_fn!r}")
+    low, high = cfg.weight_init_min, cfg.weight_init_max
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{where}: weight_init_min must be <= weight_init_max, got {low} > {high}")
     check_policies(where, admission, eviction)
     return where
 
@@ -57,7 +70,8 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
 
     Validated at construction: ``embedding_dim`` positive and a multiple of 4 (the fused CPU
     embedding kernel used by the sharded path needs it), ``num_embeddings`` positive, a non-empty
-    ``name``, non-empty distinct ``feature_names``, pooling SUM or MEAN, known policy types.
+    ``name``, non-empty distinct ``feature_names``, pooling SUM or MEAN, a ``DataType``, a callable
+    ``init_fn`` (or None), ``weight_init_min <= weight_init_max``, known policy types.
 
     Args:
         admission (CountAdmission | None): admit ids after enough sightings; None admits at once.

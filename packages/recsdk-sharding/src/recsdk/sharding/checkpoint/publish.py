@@ -48,10 +48,15 @@ def begin_directory(final: str, comm: Comm, what: str) -> str:
         str: the partial directory's path.
 
     Raises:
+        ValueError: the ranks passed different paths (on every rank, naming them).
         FileNotFoundError: ``final``'s parent does not exist (on every rank).
         FileExistsError: ``final`` exists (on every rank).
         OSError: the partial directory cannot be created (on every rank).
     """
+    paths = comm.gather(final)
+    if len(set(paths)) > 1:
+        named = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths))
+        raise ValueError(f"{what} path: every rank must pass the same path (on a file system all share), got {named}")
     outcome: tuple[str, str, int] = ("", "", 0)
     if comm.rank == 0:
         parent, name = os.path.split(final)
