@@ -233,7 +233,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
 
     @property
     def host_staged_modules(self) -> list[str]:
-        """Names of the sharded modules whose input dist runs on the host thread."""
+        """Names of the sharded modules whose input dist runs on the host thread (known once the
+        first batch has been through :meth:`progress`: the pipeline finds them on that batch)."""
         return [self._name_of(m) for m in self._host_modules]
 
     @property

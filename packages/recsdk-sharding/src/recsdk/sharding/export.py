@@ -54,7 +54,9 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
 
     Raises:
         FileExistsError: ``path`` exists.
-        ValueError: two hash modules have a table of the same name, or the model has no hash table.
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+        ValueError: the ranks passed different paths; two hash modules have a table of the same
+            name, or the model has no hash table.
         OSError: writing failed on this rank (e.g. ``errno.ENOSPC``); its first line names the file.
         CheckpointError: writing failed on another rank (its error is in the message); nothing
             is published and the partial directory is removed.

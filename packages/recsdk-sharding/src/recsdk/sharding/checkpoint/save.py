@@ -68,6 +68,7 @@ def save_checkpoint(
     Raises:
         FileExistsError: ``path`` exists.
         FileNotFoundError: the parent directory of ``path`` does not exist.
+        ValueError: the ranks passed different paths (raised on every rank, before any write).
         TypeError: an argument has the wrong type, or the model holds an unsharded
             ``HashEmbeddingBagCollection``.
         OSError: writing failed on some rank (every rank raises it; ``errno.ENOSPC`` when the
