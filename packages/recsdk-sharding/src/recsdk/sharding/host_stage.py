@@ -291,10 +291,10 @@ def _check_layout(configs: Mapping[str, BaseEmbeddingConfig], plan: Mapping[str,
         for shard in getattr(spec, "shards", ()):
             rows = int(shard.shard_sizes[0])
             if rows < 1:
-                num = configs[name].num_embeddings if name in configs else "?"
                 raise ValueError(
                     f"table {name!r}: its {sharding.sharding_type} plan gives rank {shard.placement.rank()} a "
-                    f"shard of {rows} rows (num_embeddings={num} over {len(spec.shards)} shards); every shard "
+                    f"shard of {rows} rows (num_embeddings={configs[name].num_embeddings} over "
+                    f"{len(spec.shards)} shards); every shard "
                     f"of a hash table needs rows for the ids its rank owns: raise num_embeddings to at least "
                     f"{len(spec.shards)}, or shard the table table-wise"
                 )

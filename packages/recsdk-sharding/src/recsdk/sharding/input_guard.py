@@ -63,7 +63,7 @@ def _in_sent_dtypes(kjt: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor
     """``kjt`` with int64 ids, float32 weights where weighted and none otherwise (no copy when
     it already is)."""
     values, weights = kjt.values(), kjt.weights_or_none()
-    if values.dtype == torch.int64 and (weights is None if not weighted else weights.dtype == torch.float32):
+    if values.dtype == torch.int64 and (weights is None or (weighted and weights.dtype == torch.float32)):
         return kjt
     return KeyedJaggedTensor(
         keys=kjt.keys(),

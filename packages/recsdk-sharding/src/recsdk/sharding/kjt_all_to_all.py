@@ -32,14 +32,14 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 def _to_words(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as int64 words: integers by value, floats by their bits (no copy for int64)."""
     if tensor.dtype.is_floating_point:
-        tensor = tensor.view(_BITS[tensor.element_size()])
+        tensor = tensor.view(_BITS[tensor.dtype.itemsize])
     return tensor.to(torch.int64)
 
 
 def _from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`_to_words`."""
     if dtype.is_floating_point:
-        return words.to(_BITS[torch.empty(0, dtype=dtype).element_size()]).view(dtype)
+        return words.to(_BITS[dtype.itemsize]).view(dtype)
     return words.to(dtype)
 
 
@@ -47,7 +47,9 @@ class FusedKJTAllToAll(KJTAllToAll):
     """``KJTAllToAll`` whose lengths, values and weights travel in one all-to-all.
 
     Same arguments, input and output as TorchRec's (the splits all-to-all first, then the
-    tensors); TorchRec's pipelines find it where they look for a ``KJTAllToAll``.
+    tensors); TorchRec's pipelines find it where they look for a ``KJTAllToAll``. Every rank must
+    send the same dtypes (each rank decodes the words by its own; TorchRec's per-tensor
+    all-to-alls fail on a mismatch too): recsdk's input guard sends int64 ids and float32 weights.
 
     Args:
         pg (dist.ProcessGroup): the group of the all-to-alls.
