@@ -18,6 +18,7 @@ Not a benchmark itself (``nox -s bench`` runs only the scripts not starting with
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from recsdk.sharding import HybridEmbeddingEnumerator
 __all__ = [
     "DLRM",
     "NUM_DENSE",
+    "Pipelined",
     "embedding_collection",
     "feature_names",
     "host_env",
@@ -281,15 +283,51 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def train_samples_per_s(model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int) -> float:
+class Pipelined:
+    """A train pipeline and the endless iterator over one rank's batches it reads.
+
+    A pipeline holds the batches it has read ahead between ``progress()`` calls, so its data
+    must not end with a round (it would drain, and the next round start cold): the iterator
+    cycles over ``batches``, and one round's ``progress()`` calls continue where the last ended.
+
+    Args:
+        pipeline (Any): recsdk's ``HybridTrainPipelineSparseDist`` or TorchRec's
+            ``TrainPipelineSparseDist`` over the model.
+        batches (list[Batch]): this rank's batches, cycled.
+    """
+
+    def __init__(self, pipeline: Any, batches: list[Batch]) -> None:
+        self.pipeline = pipeline
+        self.batches = itertools.cycle(batches)
+
+    def step(self) -> None:
+        """One training step: forward, backward and the optimizer step of the next batch."""
+        self.pipeline.progress(self.batches)
+
+
+def train_samples_per_s(
+    model: nn.Module, optimizer: Any, batches: list[Batch], warmup: int, pipelined: Pipelined | None = None
+) -> float:
     """Samples/s of all ranks together, training on ``batches`` after the first ``warmup``.
 
     Every rank calls it; barriers bound the timed region on all ranks alike.
+
+    Args:
+        model (nn.Module): the sharded model; its forward returns ``(loss, output)``.
+        optimizer (Any): the model's optimizer.
+        batches (list[Batch]): this rank's batches of one round, warm-up ones first.
+        warmup (int): steps trained before the timed region.
+        pipelined (Pipelined | None): ``None``: the plain loop ``model(batch)``, ``backward()``,
+            ``step()``, ``zero_grad()`` over ``batches``; otherwise as many steps of this
+            pipeline over ``model`` (it reads its own iterator of the same batches).
     """
     for i, batch in enumerate(batches):
         if i == warmup:
             dist.barrier()
             start = time.perf_counter()
+        if pipelined is not None:
+            pipelined.step()
+            continue
         loss, _ = model(batch)
         loss.backward()
         optimizer.step()

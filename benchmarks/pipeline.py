@@ -10,6 +10,10 @@ Two ranks on gloo, the same DLRM-style model and the same batches, in one run:
 - ``hybrid_pipeline_vs_torchrec_pipeline``: the same hybrid pipeline and model against TorchRec's
   ``TrainPipelineSparseDist`` on TorchRec's ``EmbeddingBagCollection`` (row-wise, TorchRec's own
   sharding) fed the same ids remapped offline to ``0..N-1``. Target: >= 1.0x.
+- ``hybrid_pipeline_host_thread_vs_plain_loop``: the same pipeline with ``host_thread=True``
+  (the host stages on its background thread; on a CPU device the default keeps TorchRec's
+  schedule on the calling thread) against the plain loop. No target: it shows what the thread
+  gains or costs on this machine.
 
 Variants alternate (``--rounds``); each line gives the median samples/s of each side (all ranks
 together) and the median over rounds of their ratio within a round. The plain-loop line also
@@ -150,12 +154,17 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
     hybrid = HybridTrainPipelineSparseDist(
         hybrid_model, hybrid_opt, torch.device("cpu"), pipe_n_batch=args.pipe_n_batch
     )
+    threaded_model, threaded_opt = _build(True, args)
+    threaded = HybridTrainPipelineSparseDist(
+        threaded_model, threaded_opt, torch.device("cpu"), pipe_n_batch=args.pipe_n_batch, host_thread=True
+    )
     torchrec_model, torchrec_opt = _build(False, args)
     torchrec = TrainPipelineSparseDist(torchrec_model, torchrec_opt, torch.device("cpu"))
 
     variants: dict[str, tuple[Callable[[Iterator[Batch]], Any], Iterator[Batch]]] = {
         "plain_loop": (_plain_step(plain_model, plain_opt), itertools.cycle(raw)),
         "hybrid_pipeline": (hybrid.progress, itertools.cycle(raw)),
+        "hybrid_pipeline_host_thread": (threaded.progress, itertools.cycle(raw)),
         "torchrec_pipeline": (torchrec.progress, itertools.cycle(remapped)),
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -172,6 +181,7 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
             if name == "plain_loop":
                 host_fraction.append(timer.seconds / elapsed)
     hybrid.close()
+    threaded.close()
     return {"seconds": seconds, "cpu_seconds": cpu_seconds, "host_fraction": host_fraction}
 
 
@@ -229,7 +239,6 @@ def main() -> None:
         "steps": args.steps,
         "rounds": args.rounds,
     }
-    hybrid = rate("hybrid_pipeline")
     for case, baseline, target, extra in (
         (
             "hybrid_pipeline_vs_plain_loop",
@@ -246,16 +255,23 @@ def main() -> None:
             },
         ),
         ("hybrid_pipeline_vs_torchrec_pipeline", "torchrec_pipeline", 1.0, {}),
+        (
+            "hybrid_pipeline_host_thread_vs_plain_loop",
+            "plain_loop",
+            None,
+            {"hybrid_pipeline_host_thread_cpu_busy": round(cpu_busy("hybrid_pipeline_host_thread"), 3)},
+        ),
     ):
         base = rate(baseline)
+        variant = "hybrid_pipeline_host_thread" if "host_thread" in case else "hybrid_pipeline"
         line = {
             **common,
             "case": case,
-            "samples_per_s": round(hybrid, 1),
+            "samples_per_s": round(rate(variant), 1),
             "baseline": baseline,
             "baseline_samples_per_s": round(base, 1),
-            "ratio": round(ratio("hybrid_pipeline", baseline), 3),
-            "target": target,
+            "ratio": round(ratio(variant, baseline), 3),
+            **({"target": target} if target is not None else {}),
             **extra,
         }
         print(json.dumps(line), flush=True)

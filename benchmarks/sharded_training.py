@@ -54,6 +54,7 @@ from _common import (
     DENSE_LR,
     DLRM,
     SPARSE_OPTIMIZER,
+    Pipelined,
     embedding_collection,
     feature_names,
     host_env,
@@ -67,6 +68,7 @@ from _common import (
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -76,6 +78,7 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
+from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
     HybridPerfModel,
@@ -222,6 +225,23 @@ def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, 
     return shard(model, sharders, {c.name: row_wise for c in configs}, args.batch_size)
 
 
+def _kind(variant: str) -> str:
+    """``"hash"`` (recsdk's collection on raw ids) or ``"torchrec"`` (TorchRec's on remapped ids)."""
+    if variant in DTYPES:
+        return "hash"
+    if variant in LAYOUTS:
+        return LAYOUTS[variant][0]
+    return PICKS.get(variant, "torchrec")  # torchrec_mch: TorchRec's managed collision
+
+
+def _pipelined(variant: str, model: nn.Module, optimizer: Any, batches: list[Batch]) -> Pipelined:
+    """The seed's flow: recsdk's pipeline for the hash models, TorchRec's for TorchRec's."""
+    cpu = torch.device("cpu")
+    if _kind(variant) == "hash":
+        return Pipelined(HybridTrainPipelineSparseDist(model, optimizer, cpu), batches)
+    return Pipelined(TrainPipelineSparseDist(model, optimizer, cpu), batches)
+
+
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     set_threads(args.threads)
     host = host_env()
@@ -252,10 +272,14 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             runs[name] = (*_shard_with_plan(kind, args, host, plan), data[kind])
     if args.with_mch:
         runs["torchrec_mch"] = (*_build_mch(args, host), raw[rank])
+    pipelines = {name: _pipelined(name, *run) for name, run in runs.items()} if args.loop == "pipeline" else {}
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
-            results[name].append(train_samples_per_s(model, optimizer, batches, args.warmup))
+            results[name].append(train_samples_per_s(model, optimizer, batches, args.warmup, pipelines.get(name)))
+    for pipelined in pipelines.values():
+        if isinstance(pipelined.pipeline, HybridTrainPipelineSparseDist):
+            pipelined.pipeline.close()
     for name, pick in picks.items():
         if pick["same_as"] is not None:
             results[name] = results[pick["same_as"]]
@@ -293,6 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pooling", type=float, default=4.0)
     parser.add_argument(
+        "--loop",
+        choices=["pipeline", "plain"],
+        default="pipeline",
+        help="pipeline: the seed's flow (recsdk's HybridTrainPipelineSparseDist for the hash models, TorchRec's "
+        "TrainPipelineSparseDist for TorchRec's); plain: model(batch), backward(), step() on the calling thread",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
     args = parser.parse_args(argv)
@@ -321,6 +352,7 @@ def _measure(args: argparse.Namespace) -> None:
         "batch_size_per_rank": args.batch_size,
         "tables": args.tables,
         "dim": args.dim,
+        "loop": args.loop,
     }
     results = out["results"]
     picks = out["picks"]

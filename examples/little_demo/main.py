@@ -244,6 +244,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
             # 9. Training with the pipeline (and evaluating with it, in eval mode).
             history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp)
             history["host_staged"], history["inline"] = pipeline.host_staged_modules, pipeline.inline_modules
+            history["host_thread"] = pipeline.host_thread
         finally:
             pipeline.close()
         # ddp_model.module is our DLRM: its ebc is now a ShardedHashEmbeddingBagCollection, its ec
@@ -423,6 +424,7 @@ def report(
         "eval_auc": history["evals"][-1][1],
         "best_possible_auc": history["best_auc"],
         "eval_history": [{"step": s, "auc": a} for s, a in history["evals"]],
+        "host_thread": history["host_thread"],
         "host_staged_modules": history["host_staged"],
         "inline_modules": history["inline"],
         "tables": stats,
@@ -467,9 +469,11 @@ def report(
                     f"{s['store_rows_used']:,}",
                 )
             )
-    print(f"\nhost stage run ahead by the pipeline for: {', '.join(history['host_staged']) or 'none'}")
+    if history["host_staged"]:
+        print(f"\nhost stage run ahead on the pipeline's host thread for: {', '.join(history['host_staged'])}")
     if history["inline"]:
-        print(f"run inline (not pipelined): {', '.join(history['inline'])}")
+        where = "" if history["host_thread"] else " (no host thread on a CPU device)"
+        print(f"\npipelined on TorchRec's schedule, on the calling thread{where}: {', '.join(history['inline'])}")
     print(f"\nwrote {out / 'summary.json'} and {out / 'training.png'}", flush=True)
 
 

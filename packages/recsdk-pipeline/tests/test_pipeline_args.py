@@ -51,7 +51,7 @@ def test_pipe_n_batch_must_be_an_int(value: object) -> None:
         _pipeline(DenseModel(), pipe_n_batch=value)
 
 
-@pytest.mark.parametrize("name", ["execute_all_batches", "apply_jit", "return_loss"])
+@pytest.mark.parametrize("name", ["execute_all_batches", "apply_jit", "return_loss", "host_thread"])
 def test_flags_must_be_bools(name: str) -> None:
     with pytest.raises(TypeError, match=f"{name} must be a bool"):
         _pipeline(DenseModel(), **{name: 1})

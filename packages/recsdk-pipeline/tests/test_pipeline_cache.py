@@ -71,7 +71,9 @@ def _same_rows(a: dict, b: dict) -> bool:
 
 def _pipelined(model: Any, optimizer: Any, batches: list, k: int) -> list:
     got = []
-    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=k) as pipeline:
+    with HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=k
+    ) as pipeline:
         it = iter(batches)
         while True:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from pipeline_models import HASH_FEATURES, build, equal_snapshots, make_batches, plain_loop, snapshot
 
@@ -24,7 +25,7 @@ def _pools(known: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat([ids, UNKNOWN_IDS]) for ids in known]
 
 
-def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, Any]:
+def _eval_switching(rank: int, world_size: int, pipe_n_batch: int, host_thread: bool | None) -> dict[str, Any]:
     train = make_batches(10, rank, seed=2)
     all_ranks = [make_batches(10, r, seed=2) for r in range(world_size)]
     seen_after_3 = _hash_ids([b for batches in all_ranks for b in batches[:3]])
@@ -51,7 +52,9 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     want = snapshot(model, optimizer)
 
     model, optimizer = build()
-    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=pipe_n_batch)
+    pipeline = HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, return_loss=True, pipe_n_batch=pipe_n_batch, host_thread=host_thread
+    )
     train_it, eval_it = iter(train), iter(evals)
     got = []
 
@@ -62,6 +65,10 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     model.train()
     for _ in range(3):
         step(train_it)
+    # On a CPU device the pipeline keeps to the calling thread unless told otherwise.
+    assert pipeline.host_thread is (host_thread is True), pipeline.host_thread
+    want_host_staged = ["ebc"] if host_thread else []
+    assert pipeline.host_staged_modules == want_host_staged, pipeline.host_staged_modules
     model.eval()
     before_eval = snapshot(model, optimizer)
     step(eval_it)  # eval batches 1 and 2 are now read ahead and mapped
@@ -93,5 +100,6 @@ def _eval_switching(rank: int, world_size: int, pipe_n_batch: int) -> dict[str, 
     return {"steps": len(got)}
 
 
-def test_train_eval_train_on_one_pipeline_matches_the_plain_loop() -> None:
-    assert run_distributed(_eval_switching, 2, 2, timeout_s=120) == [{"steps": 13}] * 2
+@pytest.mark.parametrize("host_thread", [True, None], ids=["host_thread", "default"])
+def test_train_eval_train_on_one_pipeline_matches_the_plain_loop(host_thread: bool | None) -> None:
+    assert run_distributed(_eval_switching, 2, 2, host_thread, timeout_s=120) == [{"steps": 13}] * 2

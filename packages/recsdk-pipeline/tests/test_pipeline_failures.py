@@ -70,7 +70,7 @@ def _failures(rank: int, world_size: int) -> list[dict[str, Any]]:
         model, optimizer = build(host_timeout_s=HOST_TIMEOUT_S)
         if rank == 0:
             _inject(hash_ebc(model), method, fail_at_batch=4)
-        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, host_thread=True, pipe_n_batch=2)
         results.append(_run_until_failure(pipeline, batches))
     return results
 

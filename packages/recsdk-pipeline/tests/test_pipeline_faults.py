@@ -8,6 +8,7 @@ import time
 import weakref
 from typing import Any
 
+import pytest
 import torch
 from pipeline_models import build, hash_ebc, make_batches
 
@@ -63,7 +64,7 @@ def test_dropped_worker_owner_is_collected_and_its_thread_ends() -> None:
 
 def _dropped_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     model, optimizer = build()
-    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, host_thread=True, pipe_n_batch=2)
     it = iter(make_batches(6, rank, seed=7))
     pipeline.progress(it)
     pipeline.progress(it)
@@ -115,12 +116,14 @@ class _FailingIterator:
 ITERATOR_FAILURES = [(5, 2), (0, 2), (3, 1)]
 
 
-def _iterator_failures(rank: int, world_size: int) -> list[dict[str, Any]]:
+def _iterator_failures(rank: int, world_size: int, host_thread: bool) -> list[dict[str, Any]]:
     batches = make_batches(10, rank, seed=8)
     results = []
     for fail_at, pipe_n_batch in ITERATOR_FAILURES:
         model, optimizer = build(host_timeout_s=TIMEOUT_S)
-        pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=pipe_n_batch)
+        pipeline = HybridTrainPipelineSparseDist(
+            model, optimizer, CPU, host_thread=host_thread, pipe_n_batch=pipe_n_batch
+        )
         it = _FailingIterator(batches, fail_at if rank == 0 else None)
         calls, result = 0, {}
         while True:
@@ -151,8 +154,10 @@ def _iterator_failures(rank: int, world_size: int) -> list[dict[str, Any]]:
     return results
 
 
-def test_data_iterator_failure_stops_every_rank_within_seconds() -> None:
-    rank0, rank1 = run_distributed(_iterator_failures, 2, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("host_thread", [True, False], ids=["host_thread", "calling_thread"])
+def test_data_iterator_failure_stops_every_rank_within_seconds(host_thread: bool) -> None:
+    # Without the host thread the read agreement runs asynchronously on the calling thread.
+    rank0, rank1 = run_distributed(_iterator_failures, 2, host_thread, timeout_s=TIMEOUT_S)
     for (fail_at, _), mine, peer in zip(ITERATOR_FAILURES, rank0, rank1, strict=True):
         # As in the plain loop, the batches before the failing one are computed; both ranks then
         # stop at the same progress() call: the one that would compute the failing batch.
@@ -182,7 +187,7 @@ def _pins_after_a_failed_host_stage(rank: int, world_size: int) -> dict[str, Any
             return original(ctx, dist_input)
 
         module.post_input_dist = failing  # type: ignore[method-assign]
-    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, host_thread=True, pipe_n_batch=2)
     it = iter(make_batches(8, rank, seed=3))
     error = None
     try:

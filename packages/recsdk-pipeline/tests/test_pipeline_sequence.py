@@ -167,7 +167,9 @@ def _equivalence(rank: int, world_size: int, optimizer: str) -> dict[str, Any]:
     results = {}
     for k in (1, 3):
         model, opt = _build(optimizer)
-        with HybridTrainPipelineSparseDist(model, opt, CPU, return_loss=True, pipe_n_batch=k) as pipeline:
+        with HybridTrainPipelineSparseDist(
+            model, opt, CPU, host_thread=True, return_loss=True, pipe_n_batch=k
+        ) as pipeline:
             it = iter(batches)
             got = []
             for _ in batches:

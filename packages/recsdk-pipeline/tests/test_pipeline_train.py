@@ -137,7 +137,9 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
     for k in (1, 2, 6):
         model, optimizer = build()
         probe = Probe(hash_ebc(model))
-        with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=k) as pipeline:
+        with HybridTrainPipelineSparseDist(
+            model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=k
+        ) as pipeline:
             got, ahead = _drain(pipeline, batches, probe, detach_at=4 if k == 2 else -1)
             assert pipeline.host_staged_modules == ["ebc"], pipeline.host_staged_modules
             assert pipeline.inline_modules == ["plain"], pipeline.inline_modules
@@ -153,7 +155,7 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
     # close() with batches in flight hands their contexts to the module's release_context.
     model, optimizer = build()
     probe = Probe(hash_ebc(model))
-    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, pipe_n_batch=2)
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, host_thread=True, pipe_n_batch=2)
     it = iter(batches)
     for _ in range(3):
         pipeline.progress(it)
@@ -172,7 +174,9 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
     pool = torch.randint(-(2**62), 2**62, (400,), generator=torch.Generator().manual_seed(99))
     model, optimizer = build(capacity=120, eviction=TTLEviction(max_idle_steps=2))
     check = InFlightCheck(hash_ebc(model))
-    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=4) as pipeline:
+    with HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=4
+    ) as pipeline:
         small = make_batches(16, rank, seed=6, batch_size=4, id_pools=[pool, pool])
         assert len(_drain(pipeline, small)[0]) == 16
     assert check.checked == 16 and check.violations == [], check.violations
@@ -181,18 +185,24 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
 
     # End of data: 0 batches, 1 batch, fewer batches than pipe_n_batch.
     model, optimizer = build()
-    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=2) as pipeline:
+    with HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=2
+    ) as pipeline:
         assert _drain(pipeline, [])[0] == []
-    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=2) as pipeline:
+    with HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=2
+    ) as pipeline:
         assert _same(_drain(pipeline, batches[:1])[0], reference[:1])
     model, optimizer = build()
-    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=6) as pipeline:
+    with HybridTrainPipelineSparseDist(
+        model, optimizer, CPU, host_thread=True, return_loss=True, pipe_n_batch=6
+    ) as pipeline:
         assert _same(_drain(pipeline, batches[:3])[0], reference[:3])
     # execute_all_batches=False stops as soon as the iterator runs dry (TorchRec's semantics):
     # the pipe_n_batch batches read ahead are not run.
     model, optimizer = build()
     pipeline = HybridTrainPipelineSparseDist(
-        model, optimizer, CPU, execute_all_batches=False, return_loss=True, pipe_n_batch=2
+        model, optimizer, CPU, execute_all_batches=False, return_loss=True, pipe_n_batch=2, host_thread=True
     )
     assert _same(_drain(pipeline, batches[:5])[0], reference[:3])
     pipeline.close()

@@ -12,12 +12,16 @@ next collective they issue for that batch:
 Each is a :class:`~recsdk.sharding.FailureAgreement` (one flag all-reduce; messages are
 exchanged only on failure) with :class:`~recsdk.pipeline.HostStageError` as the healthy ranks'
 error. Only these agreements issue collectives on their groups, each from one thread at a time
-in batch order, so they cannot fall out of step with the other ranks.
+in batch order, so they cannot fall out of step with the other ranks. A read agreement may run
+asynchronously (:meth:`BatchAgreements.start_read`, the pipeline without its host thread): its
+all-reduce goes on while the calling thread computes, and is settled before the batch's first
+collective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch.distributed as dist
 
@@ -44,6 +48,7 @@ class BatchAgreements:
 
         agreements = BatchAgreements()
         agreements.read(index, error)  # every rank, for every batch it reads (or fails to)
+        agreed = agreements.start_read(index, error)  # or so: settled by settle_reads()
         agreements.add_host_groups([host_pg])
         agreements.host_stage(index, error)  # every rank, after each batch's host stage
     """
@@ -51,6 +56,8 @@ class BatchAgreements:
     def __init__(self) -> None:
         self._read = FailureAgreement(_gloo_world_group(), what="the data iterator", peer_error=HostStageError)
         self._host: list[FailureAgreement] | None = None
+        self._unsettled_read: tuple[Future[None], Exception | None] | None = None
+        self._read_failure: BaseException | None = None
 
     @property
     def reads_need_agreeing(self) -> bool:
@@ -92,6 +99,50 @@ class BatchAgreements:
         else:
             return
         raise error if error is not None else failure
+
+    def start_read(self, index: int | None, error: Exception | None) -> Future[None]:
+        """:meth:`read` without waiting: the flag's all-reduce runs while the caller goes on.
+
+        Settles the read started before (:meth:`settle_reads`) first: one is pending at a
+        time, and none starts after one failed (its future fails at once). Every rank must
+        settle a batch's read before it issues any other collective for that batch, also a
+        rank whose read failed (it issues none for it, but computes the batches read before
+        it, as its peers do, so it must not wait here).
+
+        Args:
+            index (int | None): the batch's index, for the message.
+            error (Exception | None): what the iterator raised here, or ``None``.
+
+        Returns:
+            Future[None]: done once settled; its exception is what :meth:`read` would raise.
+        """
+        self.settle_reads()
+        agreed: Future[None] = Future()
+        if self._read_failure is not None:
+            # No agreement after a failed one: the ranks whose read failed read no further.
+            agreed.set_exception(HostStageError(f"batch {index} was not agreed: an earlier read failed"))
+            return agreed
+        try:
+            self._read.start(error, defer=True, what=f"the data iterator (batch {index})")
+        except BaseException as e:  # the collective itself failed
+            agreed.set_exception(error if error is not None else e)
+            return agreed
+        self._unsettled_read = (agreed, error)
+        return agreed
+
+    def settle_reads(self) -> None:
+        """Finish the read :meth:`start_read` left pending, if any (its future gets the outcome)."""
+        pending, self._unsettled_read = self._unsettled_read, None
+        if pending is None:
+            return
+        agreed, error = pending
+        try:
+            self._read.settle()
+        except BaseException as e:
+            self._read_failure = error if error is not None else e
+            agreed.set_exception(self._read_failure)
+        else:
+            agreed.set_result(None)
 
     def host_stage(self, index: int | None, error: BaseException | None) -> None:
         """Agree whether batch ``index``'s host stage failed on any rank; raise on every rank if so.

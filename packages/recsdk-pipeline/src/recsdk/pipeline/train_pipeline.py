@@ -115,6 +115,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     the others never free rows by themselves), and the pipeline never maps more
     than ``pipe_n_batch`` batches ahead of the one computing.
 
+    Without the host thread (``host_thread``; the default on a CPU device) every module
+    keeps TorchRec's schedule on the calling thread, and the read agreement below runs
+    asynchronously there.
+
     A module is host-staged iff it implements :class:`~recsdk.pipeline.HostStagedModule`
     and all of its ``host_input_groups()`` are free of device traffic (neither the default
     group nor a sharding env's group). The others, such as a plain TorchRec
@@ -159,10 +163,17 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             ``output``.
         pipe_n_batch (int): batches prepared ahead of the one computing, in
             ``[1, 12]``; each holds its rows in evicting tables pinned until it has computed.
+        host_thread (bool | None): run the host stages on the background thread. ``None``
+            (default): yes on an accelerator, no on a CPU device, where the host stage and
+            the lookups share the CPU cores: a thread only takes turns with the calling one,
+            and TorchRec's schedule on the calling thread is faster (the next batch's id
+            all-to-alls run during this batch's forward; its ids are mapped at its compute).
+            Pass ``True`` on a CPU device whose ranks leave cores idle.
 
     Raises:
         TypeError: a non-module ``model``, non-optimizer ``optimizer``, non-device
-            ``device``, non-bool flag or non-int ``pipe_n_batch``.
+            ``device``, non-bool flag (``host_thread``: bool or ``None``) or non-int
+            ``pipe_n_batch``.
         ValueError: ``pipe_n_batch`` outside ``[1, 12]``, or ``device`` differs from the
             model's.
 
@@ -187,6 +198,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         apply_jit: bool = False,
         return_loss: bool = False,
         pipe_n_batch: int = 2,
+        host_thread: bool | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -202,6 +214,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         _check_bool("execute_all_batches", execute_all_batches)
         _check_bool("apply_jit", apply_jit)
         _check_bool("return_loss", return_loss)
+        if host_thread is not None:
+            _check_bool("host_thread", host_thread)
         if isinstance(pipe_n_batch, bool) or not isinstance(pipe_n_batch, int):
             raise TypeError(f"pipe_n_batch must be an int, got {pipe_n_batch!r} ({type(pipe_n_batch).__name__})")
         if not 1 <= pipe_n_batch <= MAX_PIPE_N_BATCH:
@@ -209,6 +223,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches, apply_jit=apply_jit)
         self._return_loss = return_loss
         self._pipe_n_batch = pipe_n_batch
+        # The host stage and the lookups share the CPU when the device is the CPU: a thread
+        # only takes turns with the calling one, and TorchRec's schedule is faster there.
+        self._host_thread = device.type != "cpu" if host_thread is None else host_thread
         self._lanes: dict[bool, _Lane] = {True: _Lane(), False: _Lane()}
         self._active_mode: bool | None = None
         self._train_steps = 0
@@ -230,6 +247,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def pipe_n_batch(self) -> int:
         """Batches prepared ahead of the one computing."""
         return self._pipe_n_batch
+
+    @property
+    def host_thread(self) -> bool:
+        """Whether host stages run on the background thread (else on the calling thread, on
+        TorchRec's schedule: the next batch's input dist runs during this batch's forward)."""
+        return self._host_thread
 
     @property
     def host_staged_modules(self) -> list[str]:
@@ -364,6 +387,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     # ---- the calling thread -------------------------------------------------------------
 
     def _release_all(self) -> None:
+        self._settle_all_reads()
         for lane in self._lanes.values():
             for step in lane.steps:
                 self._release(step.host_future)
@@ -448,8 +472,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         lane.steps.append(step)
         assert self._agreements is not None
         if self._agreements.reads_need_agreeing:
-            step.read_agreed = self._worker.submit(self._agreements.read, context.index, error)
-            self._pending.append(step.read_agreed)
+            step.read_agreed = self._start_read_agreement(context.index, error)
         else:
             step.read_agreed = Future()
             step.read_agreed.set_exception(error)
@@ -501,14 +524,14 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         host_pgs: list[dist.ProcessGroup] = []
         self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._tr_pipelined_modules}
         for module in self._tr_pipelined_modules:
-            if is_host_staged(module, device_pgs):
+            if self._host_thread and is_host_staged(module, device_pgs):
                 self._host_modules.append(module)
                 for pg in cast(HostStagedModule, module).host_input_groups():
                     if all(pg is not p for p in host_pgs):
                         host_pgs.append(pg)
             else:
                 self._inline_modules.append(module)
-                if isinstance(module, HostStagedModule):
+                if self._host_thread and isinstance(module, HostStagedModule):
                     logger.warning(
                         "%s: its input dist uses a device process group, so its host stage runs inline "
                         "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
@@ -520,6 +543,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             self._agreements.add_host_groups(host_pgs)
 
     def _start_inline(self, step: _Step) -> None:
+        # Settled before the batch's first collective, also for a batch this rank could not
+        # read (it issues none): its peers may be in that agreement's message exchange.
+        self._settle_read(step)
         if step.inline_started:
             return
         if step.read_agreed is not None and step.read_agreed.exception() is not None:
@@ -536,6 +562,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 self.wait_sparse_data_dist(step.context)
 
     def _finish_host_stage(self, step: _Step) -> None:
+        self._settle_read(step)
         agreed, step.read_agreed = step.read_agreed, None
         future, step.host_future = step.host_future, None
         try:
@@ -550,6 +577,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         for name, (module_context, kjts) in result.items():
             step.context.module_contexts[name] = module_context
             step.context.input_dist_tensors_requests[name] = NoWait(kjts)
+
+    def _settle_read(self, step: _Step) -> None:
+        """Settle the step's asynchronous read agreement (no host thread) if still pending."""
+        if step.read_agreed is not None and not step.read_agreed.done() and not self._host_thread:
+            assert self._agreements is not None
+            self._agreements.settle_reads()
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         result = self._tr_model(batch)
@@ -568,6 +601,11 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if pending:
             wait_futures(pending)
 
+    def _settle_all_reads(self) -> None:
+        """No read agreement left running (before batches are dropped, or at close)."""
+        if self._agreements is not None:
+            self._agreements.settle_reads()
+
     # ---- the host thread ----------------------------------------------------------------
 
     def _submit_host_stage(self, step: _Step, agree_on_read: bool) -> None:
@@ -575,12 +613,21 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         index = step.context.index
         assert self._agreements is not None
         if agree_on_read and self._agreements.reads_need_agreeing:
-            step.read_agreed = self._worker.submit(self._agreements.read, index, None)
-            self._pending.append(step.read_agreed)
+            step.read_agreed = self._start_read_agreement(index, None)
         step.host_future = None
         if self._host_modules:
             step.host_future = self._worker.submit(self._host_stage, step.batch, index)
             self._pending.append(step.host_future)
+
+    def _start_read_agreement(self, index: int | None, error: Exception | None) -> Future[None]:
+        """The batch's read agreement: queued on the host thread ahead of its host stage, or
+        (no host thread) started here and settled before the batch's first collective."""
+        assert self._agreements is not None
+        if not self._host_thread:
+            return self._agreements.start_read(index, error)
+        agreed = self._worker.submit(self._agreements.read, index, error)
+        self._pending.append(agreed)
+        return agreed
 
     def _host_stage(self, batch: Any, index: int | None) -> _HostResult:
         """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement."""

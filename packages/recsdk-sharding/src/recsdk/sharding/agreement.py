@@ -65,7 +65,8 @@ class FailureAgreement:
         self._group = group
         self._what = what
         self._peer_error = peer_error
-        self._pending: tuple[Any, torch.Tensor | CarriedFlag | None, BaseException | None] | None = None
+        # (work, flag, error, what) of the agreement start() began
+        self._pending: tuple[Any, torch.Tensor | CarriedFlag | None, BaseException | None, str | None] | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -99,7 +100,14 @@ class FailureAgreement:
         if int(flag) != 0:
             self._exchange(error, what)
 
-    def start(self, error: BaseException | None, *, defer: bool = False, carrier: CarriedFlag | None = None) -> None:
+    def start(
+        self,
+        error: BaseException | None,
+        *,
+        defer: bool = False,
+        carrier: CarriedFlag | None = None,
+        what: str | None = None,
+    ) -> None:
         """Asynchronous agreement: a healthy rank returns at once, :meth:`settle` finishes it.
 
         A failing rank waits for the flag, exchanges messages and raises here; a healthy rank
@@ -110,32 +118,33 @@ class FailureAgreement:
 
         With a ``carrier`` (implies ``defer``; every rank passes one, or none does), no
         all-reduce runs: the flag is armed in it, collectives of the caller's carry it to every
-        rank, and :meth:`settle` reads it there.
+        rank, and :meth:`settle` reads it there. ``what`` overrides the constructor's ``what``
+        for this agreement.
         """
         self.settle()  # one that a raise left pending
         if carrier is not None:
             carrier.arm(error is not None)
-            self._pending = (None, carrier, error)
+            self._pending = (None, carrier, error, what)
             return
         if self.world_size == 1:
             if error is not None and not defer:
                 raise error
-            self._pending = (None, None, error) if error is not None else None
+            self._pending = (None, None, error, what) if error is not None else None
             return
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         if error is None or defer:
-            self._pending = (work, flag, error)
+            self._pending = (work, flag, error, what)
             return
         work.wait()
-        self._exchange(error, None)
+        self._exchange(error, what)
 
     def settle(self) -> None:
         """Finish the agreement :meth:`start` left pending (if any); raise if a rank failed."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        work, flag, error = pending
+        work, flag, error, what = pending
         if work is not None:
             work.wait()
         if isinstance(flag, CarriedFlag):
@@ -147,7 +156,7 @@ class FailureAgreement:
         if self.world_size == 1:
             assert error is not None
             raise error
-        self._exchange(error, None)
+        self._exchange(error, what)
 
     def _exchange(self, error: BaseException | None, what: str | None) -> None:
         """Every rank, once all know that a rank failed: share the messages and raise."""
