@@ -35,7 +35,7 @@ from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_feature
 from model import DLRM, file_tables, random_sequence_tables, random_tables
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingEnv
 from tqdm import tqdm
 
@@ -49,7 +49,7 @@ from recsdk.pipeline import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from recsdk.sharding import HostShardedModule, HybridEmbeddingEnumerator, get_default_hybrid_sharders
+from recsdk.sharding import HostShardedModule, HybridEmbeddingShardingPlanner, get_default_hybrid_sharders
 
 EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse tables (step 5)
 DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
@@ -213,17 +213,14 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         for module in sparse_modules:
             apply_optimizer_in_backward(torch.optim.Adagrad, module.parameters(), optimizer_kwargs=EMBEDDING_OPTIMIZER)
 
-        # 6. Sharding: hybrid sharders, a plan from TorchRec's planner, DistributedModelParallel.
+        # 6. Sharding: hybrid sharders, a plan from TorchRec's planner (with recsdk's enumerator and
+        # cost model), DistributedModelParallel.
         sharders = get_default_hybrid_sharders(host_env=host_env)
         constraints = {
             t.name: table_constraints(t.num_embeddings, args.cache_load_factor) for t in [*tables, *sequence_tables]
         }
         topology = Topology(world_size=world_size, compute_device="cpu" if device.type == "cpu" else "cuda")
-        planner = EmbeddingShardingPlanner(
-            topology=topology,
-            constraints=constraints,
-            enumerator=HybridEmbeddingEnumerator(topology, batch_size=args.batch_size, constraints=constraints),
-        )
+        planner = HybridEmbeddingShardingPlanner(topology, batch_size=args.batch_size, constraints=constraints)
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
         ddp_model = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
 

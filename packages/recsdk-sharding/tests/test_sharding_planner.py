@@ -3,6 +3,8 @@ the cost model's choices and estimates."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingCollection, HashEmbeddingConfig, IdTable
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
+    HybridEmbeddingShardingPlanner,
     HybridPerfEstimator,
     HybridPerfModel,
     get_default_hybrid_sharders,
@@ -373,3 +376,52 @@ def test_estimates_scale_as_the_cost_model_says() -> None:
         for (sf, sc, sb, sbc), (of, oc, ob, obc), (host_ms, id_ms) in zip(stock, ours, host, strict=True):
             assert of == pytest.approx(sf + host_ms) and oc == pytest.approx(sc + id_ms)
             assert (ob, obc) == (sb, sbc)
+
+
+def _collective_planning(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    model = SparseNN(tables(capacity=100_000, dims=(16, 8)), num_dense=4, device="meta")
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    topology = Topology(world_size=world_size, compute_device="cpu")
+    world = dist.GroupMember.WORLD
+    # The same plan as TorchRec's planner wired by hand with recsdk's enumerator and perf model.
+    out["plan"] = _layout(
+        HybridEmbeddingShardingPlanner(topology, batch_size=64).collective_plan(model, sharders, world)
+    )
+    wired = EmbeddingShardingPlanner(
+        topology=topology,
+        batch_size=64,
+        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=64),
+        performance_model=HybridPerfModel(topology),
+    )
+    out["wired"] = _layout(wired.collective_plan(model, sharders, world))
+    # Planning fails on rank 0 only (TorchRec plans there): a constraint no sharder meets, and
+    # too little memory for the tables. TorchRec's collective_plan leaves the others waiting.
+    failing = {
+        "constraint": (topology, {"t1": ParameterConstraints(sharding_types=["column_wise"])}),
+        "memory": (Topology(world_size=world_size, compute_device="cpu", ddr_cap=10_000), None),
+    }
+    for case, (topo, constraints) in failing.items():
+        planner = HybridEmbeddingShardingPlanner(topo, batch_size=64, constraints=constraints)
+        started = time.monotonic()
+        try:
+            planner.collective_plan(model, sharders, world)
+            out[case] = ("planned", "", 0.0)
+        except Exception as e:
+            out[case] = (type(e).__name__, str(e), time.monotonic() - started)
+    ones = torch.ones(1)
+    dist.all_reduce(ones)  # the default group is still in step
+    out["after"] = float(ones)
+    return out
+
+
+def test_the_hybrid_planner_plans_as_wired_by_hand_and_fails_on_every_rank() -> None:
+    rank0, rank1 = run_distributed(_collective_planning, 2, timeout_s=60)
+    assert rank0["plan"] == rank1["plan"] == rank0["wired"], (rank0, rank1)
+    for case, error_type, named in (("constraint", "ValueError", "column_wise"), ("memory", "PlannerError", "")):
+        mine, peer = rank0[case], rank1[case]
+        assert mine[0] == peer[0] == error_type, (case, mine, peer)
+        assert named in mine[1] and named in peer[1], (case, mine, peer)
+        assert peer[1].startswith("planning failed on rank 0: "), peer
+        assert mine[2] < 10 and peer[2] < 10, (case, mine, peer)  # told, not timed out
+    assert rank0["after"] == rank1["after"] == 2.0

@@ -41,6 +41,7 @@ from recsdk.sharding.sharders import (
     get_default_hybrid_sharders,
     validate_host_env,
 )
+from recsdk.sharding.sharding_planner import HybridEmbeddingShardingPlanner
 from recsdk.sharding.shardings import (
     GlooRwPooledEmbeddingSharding,
     HostRwPooledEmbeddingSharding,
@@ -80,6 +81,7 @@ __all__ = [
     "HybridCosts",
     "HybridEmbeddingBagCollectionSharder",
     "HybridEmbeddingEnumerator",
+    "HybridEmbeddingShardingPlanner",
     "HybridPerfEstimator",
     "HybridPerfModel",
     "HybridShardedEmbeddingBagCollection",

@@ -1,7 +1,8 @@
 """Planner glue: recsdk's cost model, the host id tables and device caches in the estimates,
 early constraint checks.
 
-Use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
+:class:`~recsdk.sharding.HybridEmbeddingShardingPlanner` is TorchRec's planner set up with both
+parts below. Or use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
 :class:`HybridEmbeddingEnumerator` (and, for the fixed costs of a plan's sharding groups,
 :class:`~recsdk.sharding.cost_model.HybridPerfModel`)::
 
