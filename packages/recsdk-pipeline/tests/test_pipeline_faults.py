@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from pipeline_models import build, hash_ebc, make_batches
+from pipeline_models import HybridBatch, build, hash_ebc, make_batches
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import LRUEviction
 from recsdk.pipeline import HostStageError, HostWorker, HybridTrainPipelineSparseDist
+from recsdk.sharding import PeerFailureError
 
 CPU = torch.device("cpu")
 HOST_THREAD = "recsdk-host-stage"
@@ -169,6 +171,48 @@ def test_data_iterator_failure_stops_every_rank_within_seconds(host_thread: bool
         assert peer["seconds"] < RAISE_BOUND_S and mine["seconds"] < RAISE_BOUND_S, (fail_at, mine, peer)
         assert mine["after"] == peer["after"] == "RuntimeError", (mine, peer)
         assert mine["after_cause"] == "InjectedError" and peer["after_cause"] == HostStageError.__name__
+
+
+def _with_negative_length(batch: HybridBatch) -> HybridBatch:
+    kjt = batch.sparse_features
+    lengths = kjt.lengths().clone()
+    lengths[0], lengths[1] = -1, lengths[1] + lengths[0] + 1  # the same number of ids
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths)
+    return HybridBatch(batch.dense_features, bad, batch.labels, batch.plain_features)
+
+
+def _bad_batch(rank: int, world_size: int, host_thread: bool) -> list[tuple[Any, ...]]:
+    """Rank 0's batch 3 has a negative length; every progress() call's outcome."""
+    batches = make_batches(6, rank, seed=9)
+    if rank == 0:
+        batches[3] = _with_negative_length(batches[3])
+    model, optimizer = build(host_timeout_s=TIMEOUT_S)
+    pipeline = HybridTrainPipelineSparseDist(model, optimizer, CPU, host_thread=host_thread, pipe_n_batch=2)
+    it, calls = iter(batches), []
+    for _ in range(5):
+        started = time.monotonic()
+        try:
+            pipeline.progress(it)
+            calls.append(("ok",))
+        except Exception as e:
+            calls.append((type(e).__name__, str(e), time.monotonic() - started, type(e.__cause__).__name__))
+    pipeline.close()
+    return calls
+
+
+@pytest.mark.parametrize("host_thread", [True, False], ids=["host_thread", "calling_thread"])
+def test_a_bad_batch_on_one_rank_stops_every_rank_at_that_batch(host_thread: bool) -> None:
+    rank0, rank1 = run_distributed(_bad_batch, 2, host_thread, timeout_s=TIMEOUT_S)
+    assert rank0[:3] == rank1[:3] == [("ok",)] * 3, (rank0, rank1)
+    # Batch 3: the rank that sent it names what is wrong; its peer is told, within seconds.
+    assert rank0[3][0] == "ValueError" and "negative lengths" in rank0[3][1], rank0[3]
+    peer_error = HostStageError if host_thread else PeerFailureError  # the host stage's or the module's agreement
+    assert rank1[3][0] == peer_error.__name__ and "rank(s) [0]" in rank1[3][1], rank1[3]
+    assert rank0[3][2] < RAISE_BOUND_S and rank1[3][2] < RAISE_BOUND_S, (rank0[3], rank1[3])
+    # Batch 4 is refused on both, chained to the failure (its input dist may already be spent).
+    for calls in (rank0, rank1):
+        assert calls[4][0] == "RuntimeError" and "cannot continue" in calls[4][1], calls[4]
+        assert calls[4][3] == calls[3][0], calls[4]
 
 
 def _pins_after_a_failed_host_stage(rank: int, world_size: int) -> dict[str, Any]:

@@ -280,14 +280,16 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             HostStageError: another rank's host stage failed for this batch, or its data
                 iterator raised instead of yielding it (this rank's own exception, from a
                 host stage or from ``dataloader_iter``, is raised as is).
-            RuntimeError: the pipeline is closed, or a host stage or the data iterator
-                failed earlier (chained to that failure).
+            RuntimeError: the pipeline is closed, or a batch failed earlier: its host stage,
+                its read from the data iterator or its forward, backward or optimizer step
+                (chained to that failure).
         """
         if self._worker.closed:
             raise RuntimeError("HybridTrainPipelineSparseDist is closed")
         if self._failure is not None:
             raise RuntimeError(
-                "HybridTrainPipelineSparseDist cannot continue: a host stage or the data iterator failed earlier"
+                "HybridTrainPipelineSparseDist cannot continue: a batch failed earlier (its host stage, its read "
+                "from the data iterator or its compute)"
             ) from self._failure
         if not self._tr_attached:
             self.attach(self._tr_model)
@@ -328,6 +330,14 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                     self._tr_optimizer.step()
                 self._train_steps += 1
             lane.steps.popleft()
+        except StopIteration:
+            raise
+        except BaseException as e:
+            # A batch that failed in its forward, backward or step (e.g. a bad batch the sharded
+            # module refused, on every rank) has used up its input dist: nothing can follow it.
+            if self._failure is None:
+                self._failure = e
+            raise
         finally:
             # Whatever happened (end of data, an error in forward or in the iterator), the host
             # thread is idle when progress() returns or raises.
