@@ -30,13 +30,20 @@ rows, recsdk's id tables 2 x IDS). The defaults are this benchmark's own workloa
 200,000 ids x 32) and the one the planner issue measured (3 tables of 40,000 x 16, where
 TorchRec's planner mixes a row-wise table into its plan). Every line names its ``workload``.
 
+Every variant trains the seed's way (``--loop pipeline``, the default): the hash models through
+recsdk's ``HybridTrainPipelineSparseDist`` (on this CPU device without its host thread:
+TorchRec's schedule, the next batch's id all-to-alls during this batch's forward), TorchRec's
+through TorchRec's ``TrainPipelineSparseDist``; ``--loop plain`` trains every one in the plain
+loop ``model(batch)``, ``backward()``, ``step()`` instead. Every line names its ``loop``.
+
 Measurements alternate between the variants (``--rounds``); samples/s are medians over rounds and
 ratios are medians of the per-round ratios. One JSON line per measurement; the ratio line compares
 ``hash_rw`` to ``torchrec_tw`` (target >= 0.9). The planner lines give each pick's plan, the hash
 pick's ratio to the best measured hash layout (the one ahead in the per-round ratios; target 1.0
 within noise) and to ``torchrec_pick`` (target >= 1.0).
 
-    python benchmarks/sharded_training.py [--workload 4x200000x32 ...] [--batch-size 1024] [--steps 40] [--rounds 7]
+    python benchmarks/sharded_training.py [--workload 4x200000x32 ...] [--loop pipeline|plain] [--batch-size 1024]
+        [--steps 40] [--rounds 7]
 """
 
 from __future__ import annotations
