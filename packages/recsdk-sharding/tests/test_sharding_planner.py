@@ -425,3 +425,15 @@ def test_the_hybrid_planner_plans_as_wired_by_hand_and_fails_on_every_rank() -> 
         assert peer[1].startswith("planning failed on rank 0: "), peer
         assert mine[2] < 10 and peer[2] < 10, (case, mine, peer)  # told, not timed out
     assert rank0["after"] == rank1["after"] == 2.0
+
+
+def test_the_hybrid_planner_checks_its_arguments() -> None:
+    topology = Topology(world_size=2, compute_device="cpu")
+    with pytest.raises(TypeError, match="topology must be a torchrec Topology"):
+        HybridEmbeddingShardingPlanner("cpu", batch_size=64)  # type: ignore[arg-type]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+            HybridEmbeddingShardingPlanner(topology, batch_size=bad)  # type: ignore[arg-type]
+    model = SparseNN(tables(capacity=1000, dims=(16, 8)), num_dense=4, device="meta")
+    with pytest.raises(RuntimeError, match="use plan"):  # no process group: plan() is the one-process call
+        HybridEmbeddingShardingPlanner(topology, batch_size=64).collective_plan(model, [])

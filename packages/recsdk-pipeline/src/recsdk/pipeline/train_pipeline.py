@@ -6,7 +6,9 @@ stage (bucket the raw ids by owner, the id all-to-alls over the host gloo group,
 id-table mapping in ``post_input_dist``, the copy of the row indices to the device) and a
 device stage (lookup, output dist, the dense model, backward, optimizer step). This
 pipeline runs the host stages of the next ``pipe_n_batch`` batches on one background
-thread while the calling thread runs the device stage of the current batch.
+thread while the calling thread runs the device stage of the current batch (by default on
+an accelerator; on a CPU device it keeps TorchRec's schedule on the calling thread, see
+``host_thread``).
 """
 
 from __future__ import annotations
