@@ -103,6 +103,12 @@ BAD = {
 }
 
 
+def _id_tables(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Per table shard: ids stored, inserts, lookups."""
+    stats = {name: table.stats() for name, table in sharded_hash_ebc(model).id_tables.items()}
+    return {name: (s["size"], s["inserts"], s["lookups"]) for name, s in stats.items()}
+
+
 def _bad_batches_on_rank0(rank: int, world_size: int, plan: str) -> dict:
     """Each bad batch on rank 0 beside a good one on rank 1, then a good step on both."""
     model = _model(plan)
@@ -116,12 +122,14 @@ def _bad_batches_on_rank0(rank: int, world_size: int, plan: str) -> dict:
                 sparse_features=_bad_kjt(batch.sparse_features, fault),
                 labels=batch.labels,
             )
+        before = _id_tables(model)
         start = time.monotonic()
         try:
             _train(model, batch)
             out[fault] = {"error": None}
         except Exception as e:
             out[fault] = {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+        out[fault]["id_tables_unchanged"] = _id_tables(model) == before  # on the healthy rank too
         _train(model, _batch(8, seed=100 + i + rank))  # and the next good batch trains
     # A bad batch whose output nobody waits for (a warm-up call, a dropped result): the flag is
     # still read, so the next call raises on every rank rather than hanging.
@@ -146,6 +154,8 @@ def test_bad_batches_on_one_rank_raise_named_errors_on_every_rank_and_training_g
         assert theirs["error"] == "PeerFailureError", (fault, theirs)
         assert "failed on rank(s) [0]" in theirs["message"] and expected in theirs["message"], (fault, theirs)
         assert mine["seconds"] < FAST_S and theirs["seconds"] < FAST_S, (fault, mine, theirs)
+        # The failed step changed no id table on either rank: the healthy one mapped nothing.
+        assert mine["id_tables_unchanged"] and theirs["id_tables_unchanged"], (fault, mine, theirs)
     assert own["unread"]["error"] == "ValueError" and "missing ['f1']" in own["unread"]["message"], own
     assert peer["unread"]["error"] == "PeerFailureError" and "missing ['f1']" in peer["unread"]["message"], peer
     assert own["unread"]["seconds"] < FAST_S and peer["unread"]["seconds"] < FAST_S, (own, peer)

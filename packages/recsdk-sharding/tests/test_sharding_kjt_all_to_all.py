@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.sharding import FusedKJTAllToAll
+from recsdk.sharding.kjt_all_to_all import batch_flag
 
 WORLD = 3
 BATCH = [4, 6, 3]  # unequal batch sizes per rank
@@ -87,12 +88,25 @@ def _both(rank: int, world_size: int) -> list[dict[str, Any]]:
         fused, fused_calls = _exchange(FusedKJTAllToAll, kjt, splits)
         theirs, their_calls = _exchange(KJTAllToAll, kjt, splits)
         results.append({"fused": fused, "theirs": theirs, "calls": (fused_calls, their_calls)})
+    # The batch flag: rank 2's batch failed, then none did, then a call outside batch_flag.
+    kjt = _kjt(rank, ["a", "b", "c"], weighted=False, empty=False)
+    a2a = FusedKJTAllToAll(dist.group.WORLD, splits=[1, 1, 1])
+    heard: list[bool] = []
+    for failed in (rank == 2, False):
+        with batch_flag(failed, heard.append):
+            pending = a2a(kjt)
+        pending.wait().wait()  # waited outside: the flag belongs to the call, not to the block
+    with batch_flag(True, heard.append):
+        pass
+    a2a(kjt).wait().wait()
+    results.append({"heard": heard})
     return results
 
 
 def test_fused_all_to_all_gives_torchrec_kjt_in_two_collectives() -> None:
     results = run_distributed(_both, WORLD, timeout_s=60)
-    for rank, cases in enumerate(results):
+    for rank, (*cases, flags) in enumerate(results):
+        assert flags["heard"] == [True, False], rank  # every rank hears rank 2's flag, once per call
         tw, rw = cases
         for case in cases:
             assert case["fused"] == case["theirs"], rank

@@ -49,6 +49,8 @@ class HostStageState:
         input_error (Exception | None): what was wrong with this rank's input. ``input_dist``
             sends an empty batch in its place (so peers are not left in the id all-to-all)
             and the host stage raises it through the failure agreement, on every rank.
+        batch_failed (bool): some rank's input for this batch was bad (its flag arrived with the
+            ids): no rank maps the batch's ids, so a failed step changes no id table.
     """
 
     token: int = field(default_factory=new_batch_token)
@@ -57,6 +59,7 @@ class HostStageState:
     missing: list[torch.Tensor | None] = field(default_factory=list)
     cache_rows: list[CachedRows] = field(default_factory=list)
     input_error: Exception | None = None
+    batch_failed: bool = False
 
 
 @dataclass

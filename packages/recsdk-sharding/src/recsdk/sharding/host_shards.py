@@ -16,6 +16,7 @@ The adapters keep only TorchRec's hooks (construction, ``input_dist``,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from recsdk.sharding.context import CachedRows, HostStageState
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.input_guard import guard_input
+from recsdk.sharding.kjt_all_to_all import batch_flag
 from recsdk.sharding.output_dist import FlagCarrier
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
@@ -201,6 +203,15 @@ class HostShards:
         )
         return checked
 
+    def batch_flag(self, ctx: HostStageState) -> contextlib.AbstractContextManager[None]:
+        """Around the module's input dist: its id all-to-alls carry whether this rank's batch is
+        bad to every rank, and set ``ctx.batch_failed`` where any rank's is."""
+
+        def received(failed: bool) -> None:
+            ctx.batch_failed = failed
+
+        return batch_flag(ctx.input_error is not None, received)
+
     def map(self, ctx: HostStageState, dist_input: KJTList, *, ahead: bool, training: bool) -> KJTList:
         """The host stage's mapping of one batch (idempotent per context).
 
@@ -210,13 +221,18 @@ class HostShards:
         stage failed looks up a stand-in (:meth:`_stand_in`) meanwhile, so it joins every
         collective its peers run. The flag travels in the pooled output dists' all-to-alls on
         gloo (``output_dist.FlagCarrier``), elsewhere in an all-reduce that overlaps the
-        lookup and the output dist.
+        lookup and the output dist. A batch that some rank's input check refused
+        (``ctx.batch_failed``, told by the id all-to-all) is mapped by no rank: the healthy ones
+        look up the stand-in too, and its agreement raises on every rank.
         """
         if ctx.ids_mapped:
             return dist_input
         error: Exception | None = ctx.input_error
         mapped: list[KeyedJaggedTensor] = []
-        if error is None:
+        # A peer's batch failed (its flag came with the ids): map nothing, so that the failed step
+        # changes no id table; the failed rank's agreement raises on every rank.
+        peer_failed = error is None and ctx.batch_failed
+        if error is None and not peer_failed:
             try:
                 batch = self.stage.map(dist_input, ctx.token, self.ledger, training, pooled=self._pooled)
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
@@ -232,9 +248,9 @@ class HostShards:
                 raise error
         else:
             self._agreement.start(error, defer=True, carrier=self._flag)
-            if error is not None:
-                mapped, ctx.missing = self._stand_in(dist_input)
-                ctx.batch_rows, ctx.cache_rows = {}, [{} for _ in mapped]
+        if error is not None or peer_failed:
+            mapped, ctx.missing = self._stand_in(dist_input)
+            ctx.batch_rows, ctx.cache_rows = {}, [{} for _ in mapped]
         ctx.ids_mapped = True
         if self._device is not None and self._device.type != "cpu":
             mapped = [kjt.to(self._device, non_blocking=True) for kjt in mapped]

@@ -153,16 +153,18 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         """TorchRec's input dist, after the unsharded module's checks, with keys in a fixed order.
 
         A batch that fails the checks is replaced by an empty one (every rank must join the id
-        all-to-alls) and its error raised at the host stage's agreement, on every rank.
+        all-to-alls) and its error raised at the host stage's agreement, on every rank; its flag
+        travels with the ids, so no rank maps that batch.
         """
         assert isinstance(ctx, HashEmbeddingBagCollectionContext)
         features = self._shards.guard(ctx, features)
         if ctx.input_error is None:
             ctx.bag_lengths = self._mean.bag_lengths(features)
-        if compat.input_dist_ready(self):
-            return super().input_dist(ctx, features)
-        with compat.without_range_warnings():  # raw ids are never in TorchRec's [0, num_embeddings)
-            return super().input_dist(ctx, features)
+        with self._shards.batch_flag(ctx):
+            if compat.input_dist_ready(self):
+                return super().input_dist(ctx, features)
+            with compat.without_range_warnings():  # raw ids are never in TorchRec's [0, num_embeddings)
+                return super().input_dist(ctx, features)
 
     def compute_and_output_dist(  # type: ignore[override]
         self, ctx: EmbeddingBagCollectionContext, input: KJTList

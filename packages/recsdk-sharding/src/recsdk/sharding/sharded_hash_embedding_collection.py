@@ -137,7 +137,8 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         """TorchRec's input dist, after the unsharded module's checks, with keys in a fixed order.
 
         A batch that fails the checks is replaced by an empty one (every rank must join the id
-        all-to-alls) and its error raised at the host stage's agreement, on every rank.
+        all-to-alls) and its error raised at the host stage's agreement, on every rank; its flag
+        travels with the ids, so no rank maps that batch.
         """
         assert isinstance(ctx, HashEmbeddingCollectionContext)
         features = self._shards.guard(ctx, features)
@@ -149,7 +150,8 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
                 lengths=torch.zeros(len(features.keys()), dtype=features.lengths().dtype),
                 stride=1,
             )
-        return super().input_dist(ctx, features)
+        with self._shards.batch_flag(ctx):
+            return super().input_dist(ctx, features)
 
     def compute_and_output_dist(  # type: ignore[override]
         self, ctx: EmbeddingCollectionContext, input: KJTList
