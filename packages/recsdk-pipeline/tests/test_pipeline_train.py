@@ -152,6 +152,15 @@ def _train_equivalence(rank: int, world_size: int) -> dict[str, Any]:
         assert probe.mapped_threads[0] == threading.main_thread().name, probe.mapped_threads
         assert set(probe.mapped_threads[1:]) == {HOST_THREAD}, probe.mapped_threads
 
+    # The CPU default, no host thread (TorchRec's schedule): the same results, detached mid-run too.
+    model, optimizer = build()
+    with HybridTrainPipelineSparseDist(model, optimizer, CPU, return_loss=True, pipe_n_batch=2) as pipeline:
+        got, _ = _drain(pipeline, batches, detach_at=4)
+        assert not pipeline.host_thread and pipeline.host_staged_modules == [], pipeline.host_staged_modules
+        assert sorted(pipeline.inline_modules) == ["ebc", "plain"], pipeline.inline_modules
+    assert _same(got, reference), "no host thread: losses/outputs differ from the plain loop"
+    assert equal_snapshots(snapshot(model, optimizer), want) == [], "no host thread: final state differs"
+
     # close() with batches in flight hands their contexts to the module's release_context.
     model, optimizer = build()
     probe = Probe(hash_ebc(model))
