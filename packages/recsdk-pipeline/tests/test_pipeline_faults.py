@@ -181,9 +181,15 @@ def _with_negative_length(batch: HybridBatch) -> HybridBatch:
     return HybridBatch(batch.dense_features, bad, batch.labels, batch.plain_features)
 
 
-def _bad_batch(rank: int, world_size: int, host_thread: bool) -> list[tuple[Any, ...]]:
-    """Rank 0's batch 3 has a negative length; every progress() call's outcome."""
-    batches = make_batches(6, rank, seed=9)
+def _bad_batch(rank: int, world_size: int, host_thread: bool) -> dict[str, Any]:
+    """Rank 0's batch 3 has a negative length; every progress() call's outcome, and which ids
+    first seen in batch 3 (either rank's) this rank's id tables hold afterwards."""
+    every = [make_batches(6, r, seed=9) for r in range(world_size)]
+    ids = [[b.sparse_features.values() for b in batches] for batches in every]
+    earlier = torch.cat([i for per_rank in ids for i in per_rank[:3]])
+    new_in_3 = torch.cat([per_rank[3] for per_rank in ids])
+    new_in_3 = new_in_3[~torch.isin(new_in_3, earlier)]
+    batches = every[rank]
     if rank == 0:
         batches[3] = _with_negative_length(batches[3])
     model, optimizer = build(host_timeout_s=TIMEOUT_S)
@@ -197,12 +203,16 @@ def _bad_batch(rank: int, world_size: int, host_thread: bool) -> list[tuple[Any,
         except Exception as e:
             calls.append((type(e).__name__, str(e), time.monotonic() - started, type(e.__cause__).__name__))
     pipeline.close()
-    return calls
+    stored = torch.cat([table.ids_and_rows()[0] for table in hash_ebc(model).id_tables.values()])
+    return {"calls": calls, "new_ids": new_in_3.numel(), "stored_new": int(torch.isin(new_in_3, stored).sum())}
 
 
 @pytest.mark.parametrize("host_thread", [True, False], ids=["host_thread", "calling_thread"])
 def test_a_bad_batch_on_one_rank_stops_every_rank_at_that_batch(host_thread: bool) -> None:
-    rank0, rank1 = run_distributed(_bad_batch, 2, host_thread, timeout_s=TIMEOUT_S)
+    out0, out1 = run_distributed(_bad_batch, 2, host_thread, timeout_s=TIMEOUT_S)
+    # No rank mapped batch 3: its new ids (rank 1's are good) are in no id table.
+    assert out0["new_ids"] > 0 and out0["stored_new"] == out1["stored_new"] == 0, (out0, out1)
+    rank0, rank1 = out0["calls"], out1["calls"]
     assert rank0[:3] == rank1[:3] == [("ok",)] * 3, (rank0, rank1)
     # Batch 3: the rank that sent it names what is wrong; its peer is told, within seconds.
     assert rank0[3][0] == "ValueError" and "negative lengths" in rank0[3][1], rank0[3]
