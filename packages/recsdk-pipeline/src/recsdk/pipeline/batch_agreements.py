@@ -48,7 +48,7 @@ class BatchAgreements:
 
         agreements = BatchAgreements()
         agreements.read(index, error)  # every rank, for every batch it reads (or fails to)
-        agreed = agreements.start_read(index, error)  # or so: settled by settle_reads()
+        agreed = agreements.start_read(index, error)  # or without waiting; settle_reads() ends it
         agreements.add_host_groups([host_pg])
         agreements.host_stage(index, error)  # every rank, after each batch's host stage
     """
