@@ -239,9 +239,10 @@ def main() -> None:
         "steps": args.steps,
         "rounds": args.rounds,
     }
-    for case, baseline, target, extra in (
+    # Each line: a pipeline variant against a baseline (the case is "<variant>_vs_<baseline>").
+    for variant, baseline, target, extra in (
         (
-            "hybrid_pipeline_vs_plain_loop",
+            "hybrid_pipeline",
             "plain_loop",
             1.3,
             {
@@ -254,19 +255,18 @@ def main() -> None:
                 "overlap_ceiling": round(1 / plain_busy, 3),
             },
         ),
-        ("hybrid_pipeline_vs_torchrec_pipeline", "torchrec_pipeline", 1.0, {}),
+        ("hybrid_pipeline", "torchrec_pipeline", 1.0, {}),
         (
-            "hybrid_pipeline_host_thread_vs_plain_loop",
+            "hybrid_pipeline_host_thread",
             "plain_loop",
             None,
             {"hybrid_pipeline_host_thread_cpu_busy": round(cpu_busy("hybrid_pipeline_host_thread"), 3)},
         ),
     ):
         base = rate(baseline)
-        variant = "hybrid_pipeline_host_thread" if "host_thread" in case else "hybrid_pipeline"
         line = {
             **common,
-            "case": case,
+            "case": f"{variant}_vs_{baseline}",
             "samples_per_s": round(rate(variant), 1),
             "baseline": baseline,
             "baseline_samples_per_s": round(base, 1),

@@ -232,19 +232,10 @@ def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, 
     return shard(model, sharders, {c.name: row_wise for c in configs}, args.batch_size)
 
 
-def _kind(variant: str) -> str:
-    """``"hash"`` (recsdk's collection on raw ids) or ``"torchrec"`` (TorchRec's on remapped ids)."""
-    if variant in DTYPES:
-        return "hash"
-    if variant in LAYOUTS:
-        return LAYOUTS[variant][0]
-    return PICKS.get(variant, "torchrec")  # torchrec_mch: TorchRec's managed collision
-
-
-def _pipelined(variant: str, model: nn.Module, optimizer: Any, batches: list[Batch]) -> Pipelined:
+def _pipelined(model: nn.Module, optimizer: Any, batches: list[Batch]) -> Pipelined:
     """The seed's flow: recsdk's pipeline for the hash models, TorchRec's for TorchRec's."""
     cpu = torch.device("cpu")
-    if _kind(variant) == "hash":
+    if sharded_hash_modules(model):
         return Pipelined(HybridTrainPipelineSparseDist(model, optimizer, cpu), batches)
     return Pipelined(TrainPipelineSparseDist(model, optimizer, cpu), batches)
 
@@ -279,7 +270,7 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             runs[name] = (*_shard_with_plan(kind, args, host, plan), data[kind])
     if args.with_mch:
         runs["torchrec_mch"] = (*_build_mch(args, host), raw[rank])
-    pipelines = {name: _pipelined(name, *run) for name, run in runs.items()} if args.loop == "pipeline" else {}
+    pipelines = {name: _pipelined(*run) for name, run in runs.items()} if args.loop == "pipeline" else {}
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
