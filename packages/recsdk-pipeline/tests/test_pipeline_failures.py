@@ -95,5 +95,6 @@ def test_host_stage_failure_surfaces_in_progress_on_every_rank() -> None:
     # ... or by its host group's timeout, when the failed rank never sent its ids.
     assert dist1["batch"] == 4, dist1
     assert dist1["error"] in ("RuntimeError", "DistBackendError"), dist1
-    assert "Timed out" in dist1["message"] or "Connection" in dist1["message"], dist1
+    # (gloo words it by where the wait ended: "Timed out", "Application timeout ...", "Connection ...")
+    assert any(w in dist1["message"].lower() for w in ("timed out", "timeout", "connection")), dist1
     assert dist1["after"] == "RuntimeError", dist1

@@ -118,8 +118,17 @@ class _FailingIterator:
 ITERATOR_FAILURES = [(5, 2), (0, 2), (3, 1)]
 
 
+def _new_ids_of(batch_index: int, every: list[list[HybridBatch]]) -> torch.Tensor:
+    """The ids of every rank's batch ``batch_index`` that no rank's earlier batch holds."""
+    ids = [[b.sparse_features.values() for b in batches] for batches in every]
+    earlier = torch.cat([i for per_rank in ids for i in per_rank[:batch_index]] or [torch.empty(0, dtype=torch.int64)])
+    new = torch.cat([per_rank[batch_index] for per_rank in ids])
+    return new[~torch.isin(new, earlier)]
+
+
 def _iterator_failures(rank: int, world_size: int, host_thread: bool) -> list[dict[str, Any]]:
-    batches = make_batches(10, rank, seed=8)
+    every = [make_batches(10, r, seed=8) for r in range(world_size)]
+    batches = every[rank]
     results = []
     for fail_at, pipe_n_batch in ITERATOR_FAILURES:
         model, optimizer = build(host_timeout_s=TIMEOUT_S)
@@ -152,25 +161,34 @@ def _iterator_failures(rank: int, world_size: int, host_thread: bool) -> list[di
             result["after"] = type(again).__name__
             result["after_cause"] = type(again.__cause__).__name__
         pipeline.close()
+        # The failed batch (rank 1 read its own) is mapped by no rank, nor any batch after it.
+        stored = torch.cat([table.ids_and_rows()[0] for table in hash_ebc(model).id_tables.values()])
+        later = torch.cat([_new_ids_of(i, every) for i in range(fail_at, len(batches))])
+        result["new_ids"], result["stored_new"] = later.numel(), int(torch.isin(later, stored).sum())
         results.append(result)
     return results
 
 
 @pytest.mark.parametrize("host_thread", [True, False], ids=["host_thread", "calling_thread"])
 def test_data_iterator_failure_stops_every_rank_within_seconds(host_thread: bool) -> None:
-    # Without the host thread the read agreement runs asynchronously on the calling thread.
+    # Without the host thread the failed read travels with the batch (a refused stand-in) once
+    # the model is pipelined, and the hash module's agreement raises; before that (the first
+    # batch), and on the host thread, the read agreement does.
     rank0, rank1 = run_distributed(_iterator_failures, 2, host_thread, timeout_s=TIMEOUT_S)
     for (fail_at, _), mine, peer in zip(ITERATOR_FAILURES, rank0, rank1, strict=True):
         # As in the plain loop, the batches before the failing one are computed; both ranks then
         # stop at the same progress() call: the one that would compute the failing batch.
         assert mine["call"] == fail_at and peer["call"] == fail_at, (fail_at, mine, peer)
         assert mine["error"] == "InjectedError", mine  # the raising rank: its own exception
-        assert peer["error"] == HostStageError.__name__, peer
+        carried = not host_thread and fail_at > 0
+        peer_error = (PeerFailureError if carried else HostStageError).__name__
+        assert peer["error"] == peer_error, peer
         assert "failed on rank(s) [0]" in peer["message"] and "InjectedError" in peer["message"], peer
         # Told, not timed out: well within the groups' timeouts.
         assert peer["seconds"] < RAISE_BOUND_S and mine["seconds"] < RAISE_BOUND_S, (fail_at, mine, peer)
         assert mine["after"] == peer["after"] == "RuntimeError", (mine, peer)
-        assert mine["after_cause"] == "InjectedError" and peer["after_cause"] == HostStageError.__name__
+        assert mine["after_cause"] == "InjectedError" and peer["after_cause"] == peer_error
+        assert mine["new_ids"] > 0 and mine["stored_new"] == peer["stored_new"] == 0, (fail_at, mine, peer)
 
 
 def _with_negative_length(batch: HybridBatch) -> HybridBatch:

@@ -2,8 +2,8 @@
 
 It must hand every rank the KJT TorchRec's ``KJTAllToAll`` hands it (keys, lengths, values,
 weights, dtypes, strides) and the exchange's splits, recat and batch sizes that TorchRec's
-shardings read, with the lengths, values and weights in one all-to-all after the splits: two
-collectives a batch where TorchRec's takes three (four with weights).
+shardings read, in one all-to-all once its capacity has followed the batches (two the first
+time, and for a batch larger than the capacity), where TorchRec's takes three (four with weights).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ WORLD = 3
 BATCH = [4, 6, 3]  # unequal batch sizes per rank
 
 
-def _kjt(rank: int, keys: list[str], *, weighted: bool, empty: bool) -> KeyedJaggedTensor:
-    gen = torch.Generator().manual_seed(10 + rank)
-    lengths = torch.randint(0, 4, (len(keys) * BATCH[rank],), generator=gen, dtype=torch.int32)
+def _kjt(rank: int, keys: list[str], *, weighted: bool, empty: bool, most: int = 4) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(10 + rank + most)
+    lengths = torch.randint(0, most, (len(keys) * BATCH[rank],), generator=gen, dtype=torch.int32)
     if empty:
         lengths.zero_()
     n = int(lengths.sum())
@@ -39,7 +39,7 @@ def _kjt(rank: int, keys: list[str], *, weighted: bool, empty: bool) -> KeyedJag
     )
 
 
-def _exchange(a2a_cls: type, kjt: KeyedJaggedTensor, splits: list[int]) -> tuple[dict[str, Any], int]:
+def _exchange(a2a: KJTAllToAll, kjt: KeyedJaggedTensor) -> tuple[dict[str, Any], int]:
     calls = 0
     real = dist.all_to_all_single
 
@@ -49,7 +49,7 @@ def _exchange(a2a_cls: type, kjt: KeyedJaggedTensor, splits: list[int]) -> tuple
         return real(*args, **kwargs)
 
     with mock.patch.object(dist, "all_to_all_single", counted):
-        tensors = a2a_cls(dist.group.WORLD, splits)(kjt).wait()
+        tensors = a2a(kjt).wait()
         out = _summary(tensors.wait())
     # What TorchRec's shardings read off a tensors awaitable (unpooled output dists, batch sizes).
     assert isinstance(tensors, KJTAllToAllTensorsAwaitable)
@@ -84,10 +84,14 @@ def _both(rank: int, world_size: int) -> list[dict[str, Any]]:
     ]
     results = []
     for keys, splits, weighted in cases:
-        kjt = _kjt(rank, keys, weighted=weighted, empty=rank == 2)
-        fused, fused_calls = _exchange(FusedKJTAllToAll, kjt, splits)
-        theirs, their_calls = _exchange(KJTAllToAll, kjt, splits)
-        results.append({"fused": fused, "theirs": theirs, "calls": (fused_calls, their_calls)})
+        fused_a2a = FusedKJTAllToAll(dist.group.WORLD, splits)
+        their_a2a = KJTAllToAll(dist.group.WORLD, splits)
+        # The first batch, the same again, one with more ids than the capacity, then a smaller one.
+        for most in (4, 4, 12, 2):
+            kjt = _kjt(rank, keys, weighted=weighted, empty=rank == 2, most=most)
+            fused, fused_calls = _exchange(fused_a2a, kjt)
+            theirs, their_calls = _exchange(their_a2a, kjt)
+            results.append({"fused": fused, "theirs": theirs, "calls": (fused_calls, their_calls)})
     # The batch flag: rank 2's batch failed, then none did, then a call outside batch_flag.
     kjt = _kjt(rank, ["a", "b", "c"], weighted=False, empty=False)
     a2a = FusedKJTAllToAll(dist.group.WORLD, splits=[1, 1, 1])
@@ -103,15 +107,17 @@ def _both(rank: int, world_size: int) -> list[dict[str, Any]]:
     return results
 
 
-def test_fused_all_to_all_gives_torchrec_kjt_in_two_collectives() -> None:
+def test_fused_all_to_all_gives_torchrec_kjt_in_one_collective() -> None:
     results = run_distributed(_both, WORLD, timeout_s=60)
     for rank, (*cases, flags) in enumerate(results):
         assert flags["heard"] == [True, False], rank  # every rank hears rank 2's flag, once per call
-        tw, rw = cases
+        tw, rw = cases[0], cases[4]
         for case in cases:
             assert case["fused"] == case["theirs"], rank
-        assert tw["calls"] == (2, 4), rank  # splits + one, vs splits + lengths, values, weights
-        assert rw["calls"] == (2, 3), rank
+        # First a header-only block (the splits) and the tensors; then one collective, but for
+        # the batch larger than the capacity (its overflow); TorchRec's: splits + each tensor.
+        assert [c["calls"] for c in cases[:4]] == [(2, 4), (1, 4), (2, 4), (1, 4)], rank
+        assert [c["calls"] for c in cases[4:]] == [(2, 3), (1, 3), (2, 3), (1, 3)], rank
         assert tw["fused"]["stride"] == sum(BATCH)
         assert tw["fused"]["weights"] is not None and rw["fused"]["weights"] is None
         assert tw["fused"]["lengths_dtype"] == "torch.int32"

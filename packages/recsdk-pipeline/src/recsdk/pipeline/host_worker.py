@@ -9,17 +9,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from recsdk.sharding import PeerFailureError
+
 __all__ = ["HostStageError", "HostWorker"]
 
 T = TypeVar("T")
 
 
-class HostStageError(RuntimeError):
+class HostStageError(PeerFailureError):
     """A host stage or the data iterator failed on another rank, or an earlier stage failed here.
 
     The rank where a host stage (or its data iterator) raised re-raises that exception
     itself; the other ranks raise this error at the same ``progress()`` call, so every rank
-    stops at the same step. The message names the failed ranks and their errors.
+    stops at the same step. The message names the failed ranks and their errors. A
+    :class:`~recsdk.sharding.PeerFailureError` (a ``RuntimeError``), as the sharded modules'
+    own agreements raise: ``except PeerFailureError`` catches either.
     """
 
 

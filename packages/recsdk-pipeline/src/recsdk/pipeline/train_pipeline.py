@@ -13,6 +13,7 @@ an accelerator; on a CPU device it keeps TorchRec's schedule on the calling thre
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -34,6 +35,7 @@ from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase, de
 from recsdk.pipeline.batch_agreements import BatchAgreements
 from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
 from recsdk.pipeline.host_worker import HostWorker
+from recsdk.sharding import HostShardedModule, refuse_inputs
 
 __all__ = ["MAX_PIPE_N_BATCH", "HybridTrainPipelineSparseDist"]
 
@@ -50,8 +52,10 @@ _HostResult = dict[str, tuple[Any, Any]]
 class _Step:
     """One batch in flight: read from the iterator, its host stage queued or done.
 
-    ``batch`` is ``None`` for a batch the iterator raised on (here): ``read_agreed`` fails
-    with that exception, and the batch is never computed.
+    For a batch the iterator raised on (here), either ``batch`` is ``None`` and ``read_agreed``
+    fails with that exception (the batch is never computed), or, where the failure travels with
+    the batch's ids, ``read_error`` is that exception and ``batch`` the last batch read: a
+    stand-in whose input dists refuse it (:func:`~recsdk.sharding.refuse_inputs`).
     """
 
     batch: Any
@@ -60,6 +64,7 @@ class _Step:
     read_agreed: Future[None] | None = None
     host_future: Future[_HostResult] | None = None
     inline_started: bool = False
+    read_error: Exception | None = None
 
 
 @dataclass
@@ -118,8 +123,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     than ``pipe_n_batch`` batches ahead of the one computing.
 
     Without the host thread (``host_thread``; the default on a CPU device) every module
-    keeps TorchRec's schedule on the calling thread, and the read agreement below runs
-    asynchronously there.
+    keeps TorchRec's schedule on the calling thread, and a failed read travels with the
+    batch's ids instead of a read agreement per batch (below).
 
     A module is host-staged iff it implements :class:`~recsdk.pipeline.HostStagedModule`
     and all of its ``host_input_groups()`` are free of device traffic (neither the default
@@ -146,8 +151,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     raises (anything but the end of data), that is a failed host stage of the batch it
     was reading: the batches read before it compute as in the plain loop, then the
     :meth:`progress` that would compute it raises the iterator's exception on this rank and
-    :class:`~recsdk.pipeline.HostStageError` on the others. The pipeline refuses to continue
-    afterwards.
+    a :class:`~recsdk.sharding.PeerFailureError` on the others: without the host thread
+    (once the model is pipelined, with recsdk's hash modules) the batch's input dists refuse
+    a stand-in (:func:`~recsdk.sharding.refuse_inputs`) and the modules' agreement raises;
+    otherwise a read agreement per batch raises :class:`~recsdk.pipeline.HostStageError`. A
+    batch any rank's hash module refused is the last whose input dist any rank starts. The
+    pipeline refuses to continue afterwards.
 
     Construct and drive it on every rank alike: the first :meth:`progress` creates small
     gloo groups (collectively) for these agreements.
@@ -240,6 +249,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         self._output_checked = False
         self._failure: BaseException | None = None
         self._read_error: Exception | None = None  # the data iterator raised (this rank)
+        self._last_batch: Any = None  # the last batch read (a failed read's stand-in)
+        # A failed read travels with the batch's ids (no read agreement): set with the modules.
+        self._reads_carried = False
         # The setup references the device only: the thread must not keep the pipeline alive.
         self._worker = HostWorker(HOST_THREAD_NAME, setup=functools.partial(_select_device, device))
 
@@ -279,9 +291,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         Raises:
             StopIteration: no batch is left (see ``execute_all_batches``).
             TypeError: the model's forward does not return ``(loss, output)``.
-            HostStageError: another rank's host stage failed for this batch, or its data
+            PeerFailureError: another rank's host stage failed for this batch, or its data
                 iterator raised instead of yielding it (this rank's own exception, from a
-                host stage or from ``dataloader_iter``, is raised as is).
+                host stage or from ``dataloader_iter``, is raised as is): the sharded modules'
+                agreement's, or a :class:`~recsdk.pipeline.HostStageError` (the pipeline's).
             RuntimeError: the pipeline is closed, or a batch failed earlier: its host stage,
                 its read from the data iterator or its forward, backward or optimizer step
                 (chained to that failure).
@@ -315,6 +328,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 self._tr_optimizer.zero_grad()
             self._tr_wait_for_data_dist(step.batch)
             upcoming = lane.steps[1] if len(lane.steps) > 1 else None
+            if upcoming is not None and self._refused(step):
+                upcoming = None  # the batch raises on every rank: no rank starts one after it
             if upcoming is not None:
                 self._start_inline(upcoming)
             if training:
@@ -324,6 +339,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                     loss, output = self._forward(step.batch)
             if upcoming is not None:
                 self._wait_inline(upcoming)
+            if step.read_error is not None:
+                # A refused stand-in: its modules' agreement raises in the forward, on every
+                # rank; whatever happened, it is never trained on.
+                raise step.read_error
             if training:
                 with record_function(f"## backward {step.context.index} ##"):
                     torch.sum(loss, dim=0).backward()
@@ -456,6 +475,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             if batch is None:
                 lane.exhausted = True
                 break
+            self._last_batch = batch
             step = _Step(batch=batch, context=self._tr_new_context())
             lane.steps.append(step)
             if not self._tr_pipelined_modules:
@@ -469,13 +489,20 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def _read_failed(self, lane: _Lane, error: Exception) -> None:
         """The iterator raised instead of yielding the next batch: fail that batch on every rank.
 
-        Its place in the lane is kept by a batch-less step whose read agreement raises
-        ``error``; the batches read before it compute as usual, and the :meth:`progress` that
-        would compute it raises ``error`` here and :class:`HostStageError` on the other
-        ranks (their read agreement for it fails).
+        The batches read before it compute as usual, and the :meth:`progress` that would
+        compute it raises ``error`` here and a :class:`~recsdk.sharding.PeerFailureError` on the
+        other ranks. Without the host thread, once the model holds recsdk's sharded hash
+        modules, the failure travels with the batch: its step's input dists send a stand-in
+        they refuse with ``error`` (the last batch read, under
+        :func:`~recsdk.sharding.refuse_inputs`), and the modules' failure agreement raises in
+        its forward, on every rank. Otherwise its place is kept by a batch-less step whose read
+        agreement raises ``error`` (:class:`HostStageError` on the other ranks).
         """
         self._read_error = error
         context = self._tr_new_context()
+        if self._reads_carried and self._last_batch is not None:
+            lane.steps.append(_Step(batch=self._last_batch, context=context, read_error=error))
+            return
         if not self._tr_pipelined_modules:
             # Not rewritten yet (the first batch, or no sharded module): no host thread to agree
             # on; agree here, which raises on every rank in this call.
@@ -553,6 +580,11 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if not self._agreements.has_host_groups:
             # Every rank bootstraps at its first progress(), so all create these groups together.
             self._agreements.add_host_groups(host_pgs)
+        # On the calling thread a recsdk hash module's input dist can refuse a batch whose read
+        # failed, and its agreement raise on every rank: no read agreement per batch then.
+        self._reads_carried = not self._host_thread and any(
+            isinstance(m, HostShardedModule) for m in self._inline_modules
+        )
 
     def _start_inline(self, step: _Step) -> None:
         # Settled before the batch's first collective, also for a batch this rank could not
@@ -565,8 +597,20 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         step.inline_started = True
         if not self._inline_modules:
             return
-        with self._tr_data_dist_scope():
+        refused = refuse_inputs(step.read_error) if step.read_error is not None else contextlib.nullcontext()
+        with self._tr_data_dist_scope(), refused:
             self._tr_start_data_dist(self._inline_modules, step.batch, step.context)
+
+    def _refused(self, step: _Step) -> bool:
+        """Whether some rank refused the step's batch in a hash module's input dist (its input
+        check, or a failed read's stand-in): the same answer on every rank once the batch's
+        splits are waited for; its forward then raises on every rank."""
+        for module in self._inline_modules:
+            if isinstance(module, HostShardedModule):
+                module_context = step.context.module_contexts.get(self._name_of(module))
+                if module_context is not None and module.input_refused(module_context):
+                    return True
+        return False
 
     def _wait_inline(self, step: _Step) -> None:
         if step.context.fused_splits_awaitables:
@@ -624,7 +668,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         """Queue the batch's read agreement (``agree_on_read``, with several ranks) and host stage."""
         index = step.context.index
         assert self._agreements is not None
-        if agree_on_read and self._agreements.reads_need_agreeing:
+        if agree_on_read and self._agreements.reads_need_agreeing and not self._reads_carried:
             step.read_agreed = self._start_read_agreement(index, None)
         step.host_future = None
         if self._host_modules:

@@ -24,6 +24,7 @@ from recsdk.sharding.input_dist import (
     OwnerSparseFeaturesDist,
     bucketize_by_owner,
 )
+from recsdk.sharding.input_guard import refuse_inputs
 from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarrier, FlagCarryingTwPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
@@ -105,6 +106,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "owner",
+    "refuse_inputs",
     "save_checkpoint",
     "sharded_hash_modules",
     "validate_host_env",

@@ -189,8 +189,9 @@ class HybridCosts:
         lookup_fwd_s_per_call, lookup_bwd_s_per_call: the fused kernel's fixed cost per call.
         comm_s_per_call: a gloo all-to-all's latency, back to back as a step issues them.
         collectives_per_group: all-to-alls per group and step in training: the input dist's
-            splits and ids (lengths, ids and weights in one: ``FusedKJTAllToAll``), the output
-            dist forward and backward (3 in inference, without the backward).
+            one (splits, lengths, ids and weights in one block per rank, in the steady state:
+            ``FusedKJTAllToAll``), the output dist forward and backward (2 in inference,
+            without the backward).
     """
 
     host_map_s_per_table: float
@@ -207,7 +208,7 @@ class HybridCosts:
     lookup_fwd_s_per_call: float
     lookup_bwd_s_per_call: float
     comm_s_per_call: float
-    collectives_per_group: int = 4
+    collectives_per_group: int = 3
     cache_s_per_table: float = 2.4e-4
     cache_s_per_id: float = 1.5e-7
     swap_in_s_per_row: float = 7.8e-7

@@ -502,6 +502,17 @@ class HostShardedModule:
         """
         return self._shards.map(ctx, dist_input, ahead=True, training=self.training)
 
+    def input_refused(self, ctx: Any) -> bool:
+        """Whether some rank refused this batch in its input dist (its input check, or
+        :func:`~recsdk.sharding.refuse_inputs`): known on every rank alike once the input dist's
+        splits are waited for (the flags come with the ids). Its compute raises on every rank (the
+        host-stage agreement), so a pipeline starts no later batch's input dist before it.
+
+        Args:
+            ctx: this batch's context (from ``create_context``).
+        """
+        return bool(ctx.batch_failed)
+
     def release_context(self, ctx: Any) -> None:
         """A batch mapped ahead will never compute (a pipeline's ``close()``, ``reset()``, a mode
         switch): unpin its rows; its resets are paid at the next compute."""

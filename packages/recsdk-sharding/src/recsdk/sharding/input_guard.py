@@ -9,11 +9,17 @@ feature (VBE) is refused the same way (the host input dists bucket and map one b
 A good batch is put in the module's feature order, so any key order works, and in the dtypes
 every rank sends (the id all-to-all packs each rank's tensors by their dtype): int64 ids,
 float32 weights, and no weights for an unweighted module (which ignores them, as unsharded).
+
+A caller may also refuse a batch itself (:func:`refuse_inputs`): a pipeline whose data iterator
+raised sends a stand-in through the input dists that way, so the failure travels with the
+batch's ids and is raised at the same agreement, on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +27,35 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import check_features
 
-__all__ = ["guard_input"]
+__all__ = ["guard_input", "refuse_inputs"]
+
+_REFUSAL = threading.local()  # .error: the error refuse_inputs() gives the calls in this thread
+
+
+@contextlib.contextmanager
+def refuse_inputs(error: Exception) -> Iterator[None]:
+    """Within (this thread): every sharded hash module's input check refuses its batch with ``error``.
+
+    The module sends an empty stand-in in its place, flagged bad in its id all-to-all (no rank
+    maps that batch), and its host-stage agreement raises ``error`` on this rank and
+    :class:`~recsdk.sharding.PeerFailureError` naming this rank on the others, once the batch's
+    output dist is waited for. Every rank still makes the batch's calls, so none waits for a
+    collective this rank skipped.
+
+    Args:
+        error (Exception): what to raise (on this rank, as it is).
+
+    Example::
+
+        with refuse_inputs(read_error):  # the iterator raised: send a stand-in for the batch
+            pipeline_start_input_dist(previous_batch)
+    """
+    previous = getattr(_REFUSAL, "error", None)
+    _REFUSAL.error = error
+    try:
+        yield
+    finally:
+        _REFUSAL.error = previous
 
 
 def guard_input(
@@ -37,13 +71,17 @@ def guard_input(
 
     Returns:
         tuple[KeyedJaggedTensor, Exception | None]: the checked batch and ``None``, or an empty
-        stand-in and the ``TypeError``/``ValueError`` to raise at the agreement.
+        stand-in and the ``TypeError``/``ValueError`` to raise at the agreement (within
+        :func:`refuse_inputs`: the stand-in and its error, whatever the batch).
 
     Example::
 
         kjt, ctx.input_error = guard_input(kjt, ["f0", "f1"], module="HashEmbeddingBagCollection",
                                            is_weighted=False)
     """
+    refused: Exception | None = getattr(_REFUSAL, "error", None)
+    if refused is not None:
+        return _stand_in(feature_names, features, is_weighted), refused
     try:
         kjt = check_features(features, feature_names, module=module, is_weighted=is_weighted)
         if kjt.variable_stride_per_key():

@@ -1,19 +1,27 @@
-"""``FusedKJTAllToAll``: TorchRec's KJT all-to-all, with a batch's tensors in one collective.
+"""``FusedKJTAllToAll``: TorchRec's KJT all-to-all, with a batch's splits and tensors in one collective.
 
 TorchRec's ``KJTAllToAll`` exchanges a batch in ``1 + T`` all-to-alls: the splits (how many
 lengths, values and weights each rank sends each rank, and the batch sizes), then one per
 tensor (lengths, values, and weights if any). Over a gloo host group every collective is a round
-of messages and thread wake-ups on every rank, on every step; this one sends the ``T`` tensors
-in a single all-to-all of int64 words (each rank's lengths, values and weights one after the
-other), so a batch's ids cross in two collectives instead of three or four. The received KJT is
-the one TorchRec's would build (same keys, recat, strides and dtypes).
+of messages and thread wake-ups on every rank, on every step. This one sends each rank one block
+of int64 words whose size every rank knows beforehand (:class:`_PayloadCapacity`): a header
+with what the splits round would carry, then the lengths, values and weights one after the
+other, padded. So in the steady state a batch's ids cross in one collective; a batch larger
+than the capacity sends the rest in a second one. The received KJT is the one TorchRec's would
+build (same keys, recat, strides and dtypes).
 
-Each rank also sends every rank one word more: its **batch flag**, whether its own batch was
-bad (the sender replaced it by a stand-in). Within :func:`batch_flag`, a call sends the given
-flag and, once the ids arrive, reports whether any rank sent one set; outside, it sends none set.
-The flag is the batch's own (it travels in that batch's exchange), so a rank knows before it
-maps a batch's ids whether a peer's batch failed, also under a pipeline that runs one batch's
-exchange before the previous batch's compute.
+Each header also carries the sender's **batch flag**: whether its own batch was bad (the sender
+replaced it by a stand-in). Within :func:`batch_flag`, a call sends the given flag and, once the
+headers arrive (the splits awaitable's wait), reports whether any rank sent one set; outside, it
+sends none set. The flag is the
+batch's own (it travels in that batch's exchange), so a rank knows before it maps a batch's ids
+whether a peer's batch failed, also under a pipeline that runs one batch's exchange before the
+previous batch's compute.
+
+Duty of the callers: every rank makes the same calls of a ``FusedKJTAllToAll`` in the same
+order (as for any collective). A call reads the previous call's headers before it sends (each
+exchange's capacity comes from the ones before it), so the ranks agree on every block's size
+whatever order the awaitables are waited in.
 
 A variable batch per feature (VBE) and a group of one keep TorchRec's path (no flag).
 """
@@ -22,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +66,7 @@ _CURRENT = threading.local()  # .flag: the _BatchFlag of the calls made in this 
 @contextlib.contextmanager
 def batch_flag(failed: bool, received: Callable[[bool], None]) -> Iterator[None]:
     """Within: each :class:`FusedKJTAllToAll` call sends ``failed`` to every rank with its ids and,
-    when its ids are waited for, calls ``received(any_rank_failed)``.
+    when its splits are waited for (the headers), calls ``received(any_rank_failed)``.
 
     Per thread (a pipeline's host thread exchanges ids too). Every rank makes the same calls,
     inside or outside alike; a call outside sends ``False`` and reports nothing.
@@ -93,12 +103,21 @@ def _from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class FusedKJTAllToAll(KJTAllToAll):
-    """``KJTAllToAll`` whose lengths, values and weights travel in one all-to-all.
+    """``KJTAllToAll`` whose splits, lengths, values and weights travel in one all-to-all.
 
-    Same arguments, input and output as TorchRec's (the splits all-to-all first, then the
-    tensors); TorchRec's pipelines find it where they look for a ``KJTAllToAll``. Every rank must
-    send the same dtypes (each rank decodes the words by its own; TorchRec's per-tensor
-    all-to-alls fail on a mismatch too): recsdk's input guard sends int64 ids and float32 weights.
+    Same arguments, input and output as TorchRec's; TorchRec's pipelines find it where they
+    look for a ``KJTAllToAll``. Each rank sends every rank one block of int64 words of a size
+    all ranks know beforehand: a header (the sizes of its share of each tensor, its batch size,
+    its batch flag, and the largest share it sends any rank), then its share of the lengths,
+    values and weights, padded to the block's payload capacity. The capacity follows the
+    exchanges (see :class:`_PayloadCapacity`), so in the steady state a batch's ids cross in
+    one collective; a batch whose largest share exceeds it sends the rest in a second one
+    (every rank reads from the headers that it is due), and the first exchange, with no
+    capacity yet, is header-only: a splits round, then the tensors, as TorchRec's.
+
+    Every rank must send the same dtypes (each rank decodes the words by its own; TorchRec's
+    per-tensor all-to-alls fail on a mismatch too): recsdk's input guard sends int64 ids and
+    float32 weights.
 
     Args:
         pg (dist.ProcessGroup): the group of the all-to-alls.
@@ -111,138 +130,260 @@ class FusedKJTAllToAll(KJTAllToAll):
         kjt = a2a(bucketed).wait().wait()  # this rank's features, every rank's samples
     """
 
+    def __init__(self, pg: dist.ProcessGroup, splits: list[int], stagger: int = 1) -> None:
+        super().__init__(pg, splits, stagger)
+        self._capacity = _PayloadCapacity()
+        self._last: _Exchange | None = None
+
     def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
         if input.variable_stride_per_key() or self._pg.size() == 1:
             return super().forward(input)
         with torch.no_grad():
+            if self._last is not None:
+                # The previous exchange's headers set this one's capacity, on every rank alike
+                # (its overflow round, if due, goes first).
+                self._last.read_header()
             rank = dist.get_rank(self._pg)
-            splits = _FusedSplitsAwaitable(
-                pg=self._pg,
-                input=input,
-                splits=self._splits,
-                labels=input.dist_labels(),
-                tensor_splits=input.dist_splits(self._splits),
+            exchange = _Exchange(
+                self._pg,
                 input_tensors=input.dist_tensors(),
+                input_splits=input.dist_splits(self._splits),
+                stride=input.stride(),
+                batch_flag=getattr(_CURRENT, "flag", None),
+                capacity=self._capacity,
+            )
+            self._last = exchange
+            return _FusedSplitsAwaitable(
+                exchange,
+                input=input,
+                labels=input.dist_labels(),
                 keys=input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]],
-                device=input.device(),
+                splits=self._splits,
                 stagger=self._stagger,
             )
-            splits.batch_flag = getattr(_CURRENT, "flag", None)
-            return splits
+
+
+class _PayloadCapacity:
+    """Payload words per block of a :class:`FusedKJTAllToAll`'s exchanges, the same on every rank.
+
+    Each exchange reports the largest share any rank sent any rank (every rank reads the same
+    number off the headers it received); the next exchange's capacity is the largest report of
+    the last ``window`` exchanges plus an eighth, rounded up to 64 words. Before the first
+    report it is 0 (header-only blocks).
+    """
+
+    def __init__(self, window: int = 16) -> None:
+        self.words = 0
+        self._reports: deque[int] = deque(maxlen=window)
+
+    def report(self, largest_share: int) -> None:
+        self._reports.append(largest_share)
+        words = max(self._reports)
+        self.words = -(-(words + words // 8) // 64) * 64
+
+
+_HEADER_TAIL = 3  # header words after the per-tensor sizes: batch size, batch flag, largest share
+
+
+class _Exchange:
+    """One batch's padded all-to-all (issued at construction), its headers, and its overflow round.
+
+    Args:
+        input_tensors (list[torch.Tensor]): the KJT's ``dist_tensors()`` (lengths, values, weights).
+        input_splits (list[list[int]]): per tensor, its elements for each rank.
+        stride (int): this rank's batch size.
+        batch_flag (_BatchFlag | None): the flag to send (none set if ``None``) and whom to tell.
+        capacity (_PayloadCapacity): the owner's capacity: read now, told the largest share
+            once the headers are read.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        *,
+        input_tensors: list[torch.Tensor],
+        input_splits: list[list[int]],
+        stride: int,
+        batch_flag: _BatchFlag | None,
+        capacity: _PayloadCapacity,
+    ) -> None:
+        world = pg.size()
+        self._pg = pg
+        self._capacity = capacity
+        self.words = capacity.words
+        self.input_tensors = input_tensors
+        self.input_splits = input_splits
+        self.dtypes = [t.dtype for t in input_tensors]
+        self.batch_flag = batch_flag
+        self._lock = threading.Lock()
+        self._header_read = False
+        self._overflow: tuple[Any, torch.Tensor, list[int]] | None = None
+        num = len(input_tensors)
+        self._head = num + _HEADER_TAIL
+        self._shares = [sum(sizes[r] for sizes in input_splits) for r in range(world)]
+        chunks = [_to_words(t).split(sizes) for t, sizes in zip(input_tensors, input_splits, strict=True)]
+        # Every rank's share, rank after rank: each tensor's part for it, in tensor order.
+        self._payload = torch.cat([chunk[r] for r in range(world) for chunk in chunks])
+        self._starts = [0]
+        for share in self._shares:
+            self._starts.append(self._starts[-1] + share)
+        failed = int(batch_flag is not None and batch_flag.failed)
+        largest = max(self._shares)
+        header = torch.tensor(
+            [[*(sizes[r] for sizes in input_splits), stride, failed, largest] for r in range(world)],
+            dtype=torch.int64,
+        )
+        self._send = torch.zeros(world, self._head + self.words, dtype=torch.int64)
+        self._send[:, : self._head] = header
+        for r, share in enumerate(self._shares):
+            n = min(share, self.words)
+            if n:
+                self._send[r, self._head : self._head + n] = self._payload[self._starts[r] : self._starts[r] + n]
+        self._received = torch.empty_like(self._send)
+        self._work = dist.all_to_all_single(self._received, self._send, group=pg, async_op=True)
+
+    def read_header(self) -> None:
+        """Wait for the blocks and read their headers (once): the splits, batch sizes and flags;
+        report the largest share to the capacity and issue the overflow round if it is due."""
+        with self._lock:
+            if self._header_read:
+                return
+            self._work.wait()
+            world, num = self._pg.size(), len(self.dtypes)
+            header = self._received[:, : self._head].tolist()
+            self.output_splits = [[header[s][t] for s in range(world)] for t in range(num)]
+            self.stride_per_rank = [header[s][num] for s in range(world)]
+            self.any_failed = any(header[s][num + 1] for s in range(world))
+            largest = max(header[s][num + 2] for s in range(world))
+            self.received_shares = [sum(sizes[s] for sizes in self.output_splits) for s in range(world)]
+            self._capacity.report(largest)
+            if largest > self.words:  # some rank sent some rank more than a block holds: every rank joins
+                words = self.words
+                sent = [max(0, share - words) for share in self._shares]
+                got = [max(0, share - words) for share in self.received_shares]
+                send = torch.cat([self._payload[self._starts[r] + words : self._starts[r + 1]] for r in range(world)])
+                received = torch.empty(sum(got), dtype=torch.int64)
+                work = dist.all_to_all_single(
+                    received, send, output_split_sizes=got, input_split_sizes=sent, group=self._pg, async_op=True
+                )
+                self._overflow = (work, received, got)
+            self._header_read = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The received lengths, values and weights (every rank's part, in rank order)."""
+        self.read_header()
+        world, num = self._pg.size(), len(self.dtypes)
+        rest: list[torch.Tensor] | None = None
+        if self._overflow is not None:
+            work, received, got = self._overflow
+            work.wait()
+            rest = list(received.split(got))
+        parts: list[list[torch.Tensor]] = [[] for _ in range(num)]
+        for s in range(world):
+            share = self.received_shares[s]
+            words = self._received[s, self._head : self._head + min(share, self.words)]
+            if rest is not None and share > self.words:
+                words = torch.cat([words, rest[s]])
+            for t, part in enumerate(words.split([self.output_splits[t][s] for t in range(num)])):
+                parts[t].append(part)
+        return [_from_words(torch.cat(p), dtype) for p, dtype in zip(parts, self.dtypes, strict=True)]
+
+    def clear_inputs(self) -> int:
+        """Free the sent tensors once the all-to-alls are done; their bytes."""
+        self.read_header()
+        if self._overflow is not None:
+            self._overflow[0].wait()
+        size = 0
+        for tensor in [*self.input_tensors, self._send, self._payload]:
+            size += tensor.element_size() * tensor.numel()
+            tensor.untyped_storage().resize_(0)
+        self.input_tensors = []
+        return size
 
 
 class _FusedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
-    """TorchRec's splits all-to-all (its constructor issues it); waiting issues the fused one.
+    """Waits for an exchange's headers (TorchRec's splits); gives the awaitable of its tensors."""
 
-    ``batch_flag``: the :func:`batch_flag` of the call that made it (``None``: outside one).
-    """
-
-    batch_flag: _BatchFlag | None = None
+    def __init__(
+        self,
+        exchange: _Exchange,
+        *,
+        input: KeyedJaggedTensor,
+        labels: list[str],
+        keys: list[str],
+        splits: list[int],
+        stagger: int,
+    ) -> None:
+        Awaitable.__init__(self)
+        self._exchange = exchange
+        self._pg = exchange._pg
+        self._workers = exchange._pg.size()
+        self._input = input
+        self._labels = labels
+        self._keys = keys
+        self._splits = splits
+        self._stagger = stagger
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
-        received = self._splits_awaitable.wait()  # per tensor the sizes from each rank, then the strides
+        exchange = self._exchange
+        exchange.read_header()
+        if exchange.batch_flag is not None:
+            exchange.batch_flag.received(exchange.any_failed)
         return _FusedTensorsAwaitable(
-            self._pg,
-            self._input,
-            batch_flag=self.batch_flag,
+            exchange,
+            input=self._input,
             labels=self._labels,
-            input_tensors=self._input_tensors,
-            input_splits=self._input_splits,
-            output_splits=received[:-1],
-            stride_per_rank=received[-1],
             keys=self._keys,
             recat=_get_recat(
                 local_split=self._splits[self._pg.rank()],
                 num_splits=len(self._splits),
                 stagger=self._stagger,
-                device=self._device,
-                batch_size_per_rank=received[-1],
+                device=self._input.device(),
+                batch_size_per_rank=exchange.stride_per_rank,
             ),
             stagger=self._stagger,
         )
 
 
 class _FusedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
-    """One all-to-all of every tensor's words; the wait splits them back per tensor and rank.
+    """The received KJT of an exchange whose headers are read.
 
     A ``KJTAllToAllTensorsAwaitable`` to TorchRec: its shardings read the splits, recat and
     batch sizes of the exchange from these attributes (``_input_splits``, ``_output_splits``,
     ``_recat``, ``_stride_per_rank``; the unpooled output dists and unequal batch sizes need
     them), and its pipelines may call :meth:`clear_inputs`. TorchRec's constructor, which issues
     one all-to-all per tensor, is not run.
-
-    Args:
-        batch_flag (_BatchFlag | None): the flag to send (none set if ``None``) and whom to tell.
-        input_splits, output_splits (list[list[int]]): per tensor (``labels``), the sizes sent to
-            / received from each rank.
     """
 
     def __init__(
         self,
-        pg: dist.ProcessGroup,
-        input: KeyedJaggedTensor,
+        exchange: _Exchange,
         *,
-        batch_flag: _BatchFlag | None,
+        input: KeyedJaggedTensor,
         labels: list[str],
-        input_tensors: list[torch.Tensor],
-        input_splits: list[list[int]],
-        output_splits: list[list[int]],
-        stride_per_rank: list[int],
         keys: list[str],
         recat: torch.Tensor | None,
         stagger: int,
     ) -> None:
         Awaitable.__init__(self)
-        world = pg.size()
-        self._workers = self._world_size = world
-        self._pg = pg
+        self._exchange = exchange
+        self._workers = self._world_size = exchange._pg.size()
+        self._pg = exchange._pg
         self._input = input
         self._keys = keys
         self._recat = recat
         self._stagger = stagger
-        self._stride_per_rank = stride_per_rank
-        self._input_splits = dict(zip(labels, input_splits, strict=True))
-        self._output_splits = dict(zip(labels, output_splits, strict=True))
-        self._input_tensors = input_tensors
-        self._dtypes = [t.dtype for t in input_tensors]
-        self._batch_flag = batch_flag
-        chunks = [_to_words(t).split(sizes) for t, sizes in zip(input_tensors, input_splits, strict=True)]
-        device = input_tensors[0].device
-        flag = torch.tensor([int(batch_flag is not None and batch_flag.failed)], dtype=torch.int64, device=device)
-        # Per rank: its share of each tensor, then this rank's batch flag (one word).
-        self._send = torch.cat([part for r in range(world) for part in (*(c[r] for c in chunks), flag)])
-        self._received_sizes = [n for s in range(world) for n in (*(sizes[s] for sizes in output_splits), 1)]
-        self._received = torch.empty(sum(self._received_sizes), dtype=torch.int64, device=self._send.device)
-        self._work = dist.all_to_all_single(
-            self._received,
-            self._send,
-            output_split_sizes=[sum(sizes[s] for sizes in output_splits) + 1 for s in range(world)],
-            input_split_sizes=[sum(sizes[r] for sizes in input_splits) + 1 for r in range(world)],
-            group=pg,
-            async_op=True,
-        )
+        self._stride_per_rank = exchange.stride_per_rank
+        self._input_splits = dict(zip(labels, exchange.input_splits, strict=True))
+        self._output_splits = dict(zip(labels, exchange.output_splits, strict=True))
 
     def clear_inputs(self) -> int:
         """Free the sent tensors once the all-to-all is done (TorchRec's pipelines); their bytes."""
-        self._work.wait()
-        size = 0
-        for tensor in [*self._input_tensors, self._send]:
-            size += tensor.element_size() * tensor.numel()
-            tensor.untyped_storage().resize_(0)
-        self._input_tensors = []
-        return size
+        return self._exchange.clear_inputs()
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        self._work.wait()
-        parts = self._received.split(self._received_sizes)  # [rank][tensor, then the flag]
-        num = len(self._dtypes) + 1
-        tensors = [
-            _from_words(torch.cat([parts[s * num + t] for s in range(self._workers)]), dtype)
-            for t, dtype in enumerate(self._dtypes)
-        ]
-        if self._batch_flag is not None:
-            flags = torch.cat([parts[s * num + num - 1] for s in range(self._workers)])
-            self._batch_flag.received(bool(flags.any()))
+        exchange = self._exchange
+        tensors = exchange.tensors()
         return type(self._input).dist_init(
             keys=self._keys,
             tensors=tensors,
