@@ -7,7 +7,7 @@ once (``sequence.py`` trains a sequence model of its own and shares the rest):
 - :class:`DLRM` and :func:`table_configs` / :func:`embedding_collection` (recsdk's
   ``HashEmbeddingBagCollection`` on raw ids, or TorchRec's ``EmbeddingBagCollection``);
 - :func:`shard` (any model, ``sequence.py``'s too): Adagrad fused into the tables' backward,
-  TorchRec's planner (optionally with recsdk's ``HybridEmbeddingEnumerator``) over the world,
+  TorchRec's planner (or recsdk's ``HybridEmbeddingShardingPlanner``) over the world,
   ``DistributedModelParallel`` on CPU, dense Adagrad, both in one ``CombinedOptimizer``;
 - :func:`random_batches` and :func:`remap_ids`: the synthetic batches of raw ids, and the same
   ids remapped offline to ``0..N-1`` per feature (or per table shared by several features),
@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch, RandomRecDataset
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
-from recsdk.sharding import HybridEmbeddingEnumerator
+from recsdk.sharding import HybridEmbeddingShardingPlanner
 
 __all__ = [
     "DLRM",
@@ -180,8 +180,9 @@ def shard(
         embeddings (nn.Module | None): the module holding the tables (its parameters get the
             fused Adagrad); ``None``: ``model.ebc``, as in :class:`DLRM`.
         enumerator (str): ``"torchrec"``: TorchRec's default ``EmbeddingShardingPlanner``;
-            ``"hybrid"``: the same planner with recsdk's ``HybridEmbeddingEnumerator`` (id table
-            storage counted, constraints checked against the sharders).
+            ``"hybrid"``: recsdk's ``HybridEmbeddingShardingPlanner`` (TorchRec's planner with
+            recsdk's enumerator and perf model: the hybrid cost model, id table storage counted,
+            constraints checked against the sharders).
         sparse_optimizer (type[torch.optim.Optimizer]): the optimizer fused into the tables'
             backward, with the same lr and eps.
 
@@ -193,13 +194,9 @@ def shard(
         raise TypeError(f"shard: the embeddings must be a module, got {type(tables).__name__}")
     apply_optimizer_in_backward(sparse_optimizer, tables.parameters(), dict(SPARSE_OPTIMIZER))
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
+    planner: EmbeddingShardingPlanner
     if enumerator == "hybrid":
-        planner = EmbeddingShardingPlanner(
-            topology=topology,
-            batch_size=batch_size,
-            constraints=constraints,
-            enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints),
-        )
+        planner = HybridEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     elif enumerator == "torchrec":
         planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
     else:
