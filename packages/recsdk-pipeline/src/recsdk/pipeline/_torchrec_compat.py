@@ -30,8 +30,6 @@ from torchrec.distributed.train_pipeline.utils import (
     _wait_for_batch,  # make the current stream wait for a side stream (and record the batch on it)
 )
 
-from recsdk.sharding import FusedKJTAllToAll
-
 __all__ = ["In", "Out", "SparseDistPipelineBase", "device_groups"]
 
 In = TypeVar("In")  # the batch type (TorchRec's is bound to Pipelineable)
@@ -166,18 +164,10 @@ class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out])
         )
 
     def _tr_override_input_dist_forwards(self) -> None:
-        """Swap in TorchRec's fused-splits input dist forwards (the input dists must exist), but
-        not for recsdk's ``FusedKJTAllToAll``: TorchRec's would send its tensors one all-to-all
-        each, without the batch flag. Its own splits awaitable joins TorchRec's fused splits
-        as any non-meta request does (waited in place)."""
+        """Swap in TorchRec's fused-splits input dist forwards (the input dists must exist).
+        recsdk's ``FusedKJTAllToAll`` keeps its own (it ignores the swap): its splits awaitable
+        joins TorchRec's fused splits as any non-meta request does (waited in place)."""
         self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
-        for module in self._pipelined_modules:
-            for child in module.modules():
-                for input_dist in getattr(child, "_input_dists", None) or []:
-                    a2a = getattr(input_dist, "_dist", None)
-                    # TorchRec's override sets an instance attribute over the class's forward.
-                    if isinstance(a2a, FusedKJTAllToAll) and "forward" in vars(a2a):
-                        del a2a.forward
 
     def _tr_sync_embeddings(self, context: TrainPipelineContext) -> None:
         """TorchRec's embedding sync across replicas (a no-op unless the model is a DMPCollection)."""

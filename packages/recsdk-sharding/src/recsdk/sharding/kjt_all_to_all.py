@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -102,11 +103,37 @@ def _from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return words.to(dtype)
 
 
+class _OwnForward:
+    """``FusedKJTAllToAll.forward``, kept in place: assigning or deleting an instance's ``forward``
+    does nothing.
+
+    TorchRec's pipelines do that to every ``KJTAllToAll`` of a pipelined module
+    (``_override_input_dist_forwards`` swaps in their fused-splits forward, which would send one
+    all-to-all per tensor and no batch flag; ``detach`` puts the original back). As a data
+    descriptor on the class, this forward wins over an instance attribute, so under TorchRec's
+    pipelines too a batch's ids cross in one collective with their batch flag; the pipelines'
+    fused splits wait its splits awaitable in place, as any request that is not theirs.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self._function = function
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., Any]:
+        return self._function if obj is None else types.MethodType(self._function, obj)
+
+    def __set__(self, obj: object, value: object) -> None:
+        pass
+
+    def __delete__(self, obj: object) -> None:
+        pass
+
+
 class FusedKJTAllToAll(KJTAllToAll):
     """``KJTAllToAll`` whose splits, lengths, values and weights travel in one all-to-all.
 
     Same arguments, input and output as TorchRec's; TorchRec's pipelines find it where they
-    look for a ``KJTAllToAll``. Each rank sends every rank one block of int64 words of a size
+    look for a ``KJTAllToAll``, and keep its exchange (its ``forward`` cannot be swapped out per
+    instance, see ``_OwnForward``). Each rank sends every rank one block of int64 words of a size
     all ranks know beforehand: a header (the sizes of its share of each tensor, its batch size,
     its batch flag, and the largest share it sends any rank), then its share of the lengths,
     values and weights, padded to the block's payload capacity. The capacity follows the
@@ -135,9 +162,9 @@ class FusedKJTAllToAll(KJTAllToAll):
         self._capacity = _PayloadCapacity()
         self._last: _Exchange | None = None
 
-    def forward(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
+    def _exchange(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
         if input.variable_stride_per_key() or self._pg.size() == 1:
-            return super().forward(input)
+            return KJTAllToAll.forward(self, input)
         with torch.no_grad():
             if self._last is not None:
                 # The previous exchange's headers set this one's capacity, on every rank alike
@@ -161,6 +188,8 @@ class FusedKJTAllToAll(KJTAllToAll):
                 splits=self._splits,
                 stagger=self._stagger,
             )
+
+    forward = _OwnForward(_exchange)
 
 
 class _PayloadCapacity:
