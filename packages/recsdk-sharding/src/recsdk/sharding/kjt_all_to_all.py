@@ -250,25 +250,31 @@ class _Exchange:
         num = len(input_tensors)
         self._head = num + _HEADER_TAIL
         self._shares = [sum(sizes[r] for sizes in input_splits) for r in range(world)]
-        chunks = [_to_words(t).split(sizes) for t, sizes in zip(input_tensors, input_splits, strict=True)]
-        # Every rank's share, rank after rank: each tensor's part for it, in tensor order.
-        self._payload = torch.cat([chunk[r] for r in range(world) for chunk in chunks])
-        self._starts = [0]
-        for share in self._shares:
-            self._starts.append(self._starts[-1] + share)
+        # Per tensor, its part for each rank (views).
+        self._chunks = [_to_words(t).split(sizes) for t, sizes in zip(input_tensors, input_splits, strict=True)]
         failed = int(batch_flag is not None and batch_flag.failed)
         largest = max(self._shares)
         header = torch.tensor(
             [[*(sizes[r] for sizes in input_splits), stride, failed, largest] for r in range(world)],
             dtype=torch.int64,
         )
-        self._send = torch.zeros(world, self._head + self.words, dtype=torch.int64)
-        self._send[:, : self._head] = header
-        for r, share in enumerate(self._shares):
-            n = min(share, self.words)
-            if n:
-                self._send[r, self._head : self._head + n] = self._payload[self._starts[r] : self._starts[r] + n]
-        self._received = torch.empty_like(self._send)
+        # One copy into the send buffer: per rank its header, the first `words` of its share
+        # (each tensor's part in tensor order), zeros up to the block's size.
+        zeros = torch.zeros(self.words, dtype=torch.int64)
+        pieces: list[torch.Tensor] = []
+        for r in range(world):
+            pieces.append(header[r])
+            room = self.words
+            for chunk in self._chunks:
+                part = chunk[r]
+                if room == 0 or part.numel() == 0:
+                    continue
+                taken = part if part.numel() <= room else part[:room]
+                pieces.append(taken)
+                room -= taken.numel()
+            pieces.append(zeros[:room])
+        self._send = torch.cat(pieces)
+        self._received = torch.empty(world, self._head + self.words, dtype=torch.int64)
         self._work = dist.all_to_all_single(self._received, self._send, group=pg, async_op=True)
 
     def read_header(self) -> None:
@@ -290,7 +296,8 @@ class _Exchange:
                 words = self.words
                 sent = [max(0, share - words) for share in self._shares]
                 got = [max(0, share - words) for share in self.received_shares]
-                send = torch.cat([self._payload[self._starts[r] + words : self._starts[r + 1]] for r in range(world)])
+                # Each rank's share past the block's words, rank after rank.
+                send = torch.cat([torch.cat([c[r] for c in self._chunks])[words:] for r in range(world)])
                 received = torch.empty(sum(got), dtype=torch.int64)
                 work = dist.all_to_all_single(
                     received, send, output_split_sizes=got, input_split_sizes=sent, group=self._pg, async_op=True
@@ -323,7 +330,7 @@ class _Exchange:
         if self._overflow is not None:
             self._overflow[0].wait()
         size = 0
-        for tensor in [*self.input_tensors, self._send, self._payload]:
+        for tensor in [*self.input_tensors, self._send]:
             size += tensor.element_size() * tensor.numel()
             tensor.untyped_storage().resize_(0)
         self.input_tensors = []
