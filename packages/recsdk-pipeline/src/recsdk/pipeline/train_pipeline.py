@@ -113,7 +113,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
     forward, backward and the optimizer step of one batch on the calling thread, while one
     background thread runs the host stages of the next ``pipe_n_batch`` batches: the
-    sharded modules' ``input_dist`` (bucketing, the splits and id all-to-alls over the host
+    sharded modules' ``input_dist`` (bucketing, the id all-to-all over the host
     group) and ``post_input_dist`` (id-table mapping, copy to the device). The
     embeddings are read at forward time, so a pipelined run gives the same losses and
     weights as the plain loop ``loss, out = model(batch); loss.backward();
