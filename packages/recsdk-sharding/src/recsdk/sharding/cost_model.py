@@ -47,7 +47,7 @@ next batches while the current batch computes; the plain training loop runs them
 the hidden part of the id all-to-alls goes to ``input_dist_comms``, the field TorchRec keeps for
 its own pipelined input dist and leaves out of ``Perf.total``. The default 0 counts it all: the
 plain loop, and a CPU-only host, whose cores the lookups already keep busy (there the hybrid
-pipeline measured 1.10x the plain loop, against a 1.20x ceiling). With the hybrid pipeline on
+pipeline measured 1.01-1.04x the plain loop, against a 1.17-1.19x ceiling). With the hybrid pipeline on
 an accelerator, pass ``host_overlap=1.0``.
 
 Other compute devices: the lookup and the output dist are TorchRec's kernels and collectives on
