@@ -33,6 +33,7 @@ import threading
 import types
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -180,14 +181,14 @@ class FusedKJTAllToAll(KJTAllToAll):
                 capacity=self._capacity,
             )
             self._last = exchange
-            return _FusedSplitsAwaitable(
-                exchange,
+            receiver = _Receiver(
                 input=input,
                 labels=input.dist_labels(),
                 keys=input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]],
                 splits=self._splits,
                 stagger=self._stagger,
             )
+            return _FusedSplitsAwaitable(exchange, receiver)
 
     forward = _OwnForward(_exchange)
 
@@ -337,48 +338,48 @@ class _Exchange:
         return size
 
 
+@dataclass(frozen=True)
+class _Receiver:
+    """What a rank needs to build the received KJT of an exchange, besides the exchange.
+
+    Attributes:
+        input: the KJT this rank sent (its type and device).
+        labels: its tensors' names (``dist_labels()``: lengths, values, weights).
+        keys: the features this rank receives.
+        splits, stagger: as the ``FusedKJTAllToAll``'s.
+    """
+
+    input: KeyedJaggedTensor
+    labels: list[str]
+    keys: list[str]
+    splits: list[int]
+    stagger: int
+
+
 class _FusedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
     """Waits for an exchange's headers (TorchRec's splits); gives the awaitable of its tensors."""
 
-    def __init__(
-        self,
-        exchange: _Exchange,
-        *,
-        input: KeyedJaggedTensor,
-        labels: list[str],
-        keys: list[str],
-        splits: list[int],
-        stagger: int,
-    ) -> None:
+    def __init__(self, exchange: _Exchange, receiver: _Receiver) -> None:
         Awaitable.__init__(self)
         self._exchange = exchange
+        self._receiver = receiver
         self._pg = exchange._pg
         self._workers = exchange._pg.size()
-        self._input = input
-        self._labels = labels
-        self._keys = keys
-        self._splits = splits
-        self._stagger = stagger
+        self._input = receiver.input
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
-        exchange = self._exchange
+        exchange, receiver = self._exchange, self._receiver
         exchange.read_header()
         if exchange.batch_flag is not None:
             exchange.batch_flag.received(exchange.any_failed)
-        return _FusedTensorsAwaitable(
-            exchange,
-            input=self._input,
-            labels=self._labels,
-            keys=self._keys,
-            recat=_get_recat(
-                local_split=self._splits[self._pg.rank()],
-                num_splits=len(self._splits),
-                stagger=self._stagger,
-                device=self._input.device(),
-                batch_size_per_rank=exchange.stride_per_rank,
-            ),
-            stagger=self._stagger,
+        recat = _get_recat(
+            local_split=receiver.splits[self._pg.rank()],
+            num_splits=len(receiver.splits),
+            stagger=receiver.stagger,
+            device=receiver.input.device(),
+            batch_size_per_rank=exchange.stride_per_rank,
         )
+        return _FusedTensorsAwaitable(exchange, receiver, recat)
 
 
 class _FusedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
@@ -391,27 +392,18 @@ class _FusedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
     one all-to-all per tensor, is not run.
     """
 
-    def __init__(
-        self,
-        exchange: _Exchange,
-        *,
-        input: KeyedJaggedTensor,
-        labels: list[str],
-        keys: list[str],
-        recat: torch.Tensor | None,
-        stagger: int,
-    ) -> None:
+    def __init__(self, exchange: _Exchange, receiver: _Receiver, recat: torch.Tensor | None) -> None:
         Awaitable.__init__(self)
         self._exchange = exchange
         self._workers = self._world_size = exchange._pg.size()
         self._pg = exchange._pg
-        self._input = input
-        self._keys = keys
+        self._input = receiver.input
+        self._keys = receiver.keys
         self._recat = recat
-        self._stagger = stagger
+        self._stagger = receiver.stagger
         self._stride_per_rank = exchange.stride_per_rank
-        self._input_splits = dict(zip(labels, exchange.input_splits, strict=True))
-        self._output_splits = dict(zip(labels, exchange.output_splits, strict=True))
+        self._input_splits = dict(zip(receiver.labels, exchange.input_splits, strict=True))
+        self._output_splits = dict(zip(receiver.labels, exchange.output_splits, strict=True))
 
     def clear_inputs(self) -> int:
         """Free the sent tensors once the all-to-all is done (TorchRec's pipelines); their bytes."""
