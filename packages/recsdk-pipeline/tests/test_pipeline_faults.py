@@ -171,17 +171,17 @@ def _iterator_failures(rank: int, world_size: int, host_thread: bool) -> list[di
 
 @pytest.mark.parametrize("host_thread", [True, False], ids=["host_thread", "calling_thread"])
 def test_data_iterator_failure_stops_every_rank_within_seconds(host_thread: bool) -> None:
-    # Without the host thread the failed read travels with the batch (a refused stand-in) once
-    # the model is pipelined, and the hash module's agreement raises; before that (the first
-    # batch), and on the host thread, the read agreement does.
+    # Once the model is pipelined the failed read travels with the batch (a refused stand-in)
+    # and the host stage's agreement raises; before that (the first batch) the read agreement does.
     rank0, rank1 = run_distributed(_iterator_failures, 2, host_thread, timeout_s=TIMEOUT_S)
     for (fail_at, _), mine, peer in zip(ITERATOR_FAILURES, rank0, rank1, strict=True):
         # As in the plain loop, the batches before the failing one are computed; both ranks then
         # stop at the same progress() call: the one that would compute the failing batch.
         assert mine["call"] == fail_at and peer["call"] == fail_at, (fail_at, mine, peer)
         assert mine["error"] == "InjectedError", mine  # the raising rank: its own exception
-        carried = not host_thread and fail_at > 0
-        peer_error = (PeerFailureError if carried else HostStageError).__name__
+        # Once pipelined the failed read travels as a refused stand-in: the module's agreement
+        # raises (its PeerFailureError) without the host thread, the host stage's with it.
+        peer_error = (PeerFailureError if not host_thread and fail_at > 0 else HostStageError).__name__
         assert peer["error"] == peer_error, peer
         assert "failed on rank(s) [0]" in peer["message"] and "InjectedError" in peer["message"], peer
         # Told, not timed out: well within the groups' timeouts.

@@ -5,8 +5,9 @@ next collective they issue for that batch:
 
 * the **read**: the data iterator raised instead of yielding the batch. Agreed over a gloo
   group of all ranks (every rank computes every batch), before any rank issues a collective
-  for the batch. (The pipeline without its host thread agrees only on the first read this way;
-  afterwards a failed read travels with the batch's ids, see ``HybridTrainPipelineSparseDist``.)
+  for the batch. (With recsdk's hash modules the pipeline agrees only on the first read this
+  way; afterwards a failed read travels with the batch's ids, see
+  ``HybridTrainPipelineSparseDist``.)
 * the **host stage**: the input dist or ``post_input_dist`` raised. Agreed over one gloo group
   per distinct host group, once the batch's ids are mapped.
 

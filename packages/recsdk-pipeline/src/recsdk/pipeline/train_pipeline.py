@@ -123,8 +123,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     than ``pipe_n_batch`` batches ahead of the one computing.
 
     Without the host thread (``host_thread``; the default on a CPU device) every module
-    keeps TorchRec's schedule on the calling thread, and a failed read travels with the
-    batch's ids instead of a read agreement per batch (below).
+    keeps TorchRec's schedule on the calling thread. Either way a failed read travels with
+    the batch's ids instead of a read agreement per batch (below).
 
     A module is host-staged iff it implements :class:`~recsdk.pipeline.HostStagedModule`
     and all of its ``host_input_groups()`` are free of device traffic (neither the default
@@ -151,12 +151,13 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     raises (anything but the end of data), that is a failed host stage of the batch it
     was reading: the batches read before it compute as in the plain loop, then the
     :meth:`progress` that would compute it raises the iterator's exception on this rank and
-    a :class:`~recsdk.sharding.PeerFailureError` on the others: without the host thread
-    (once the model is pipelined, with recsdk's hash modules) the batch's input dists refuse
-    a stand-in (:func:`~recsdk.sharding.refuse_inputs`) and the modules' agreement raises;
-    otherwise a read agreement per batch raises :class:`~recsdk.pipeline.HostStageError`. A
-    batch any rank's hash module refused is the last whose input dist any rank starts. The
-    pipeline refuses to continue afterwards.
+    a :class:`~recsdk.sharding.PeerFailureError` on the others: once the model is pipelined
+    (with recsdk's hash modules) the batch's input dists refuse a stand-in
+    (:func:`~recsdk.sharding.refuse_inputs`) and its host stage's agreement raises (the
+    modules' own without the host thread; :class:`~recsdk.pipeline.HostStageError` on the host
+    thread); for the first batch, and models without hash modules, a read agreement per batch
+    raises :class:`~recsdk.pipeline.HostStageError`. A batch any rank's hash module refused is
+    the last whose input dist any rank starts. The pipeline refuses to continue afterwards.
 
     Construct and drive it on every rank alike: the first :meth:`progress` creates small
     gloo groups (collectively) for these agreements.
@@ -491,17 +492,20 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
 
         The batches read before it compute as usual, and the :meth:`progress` that would
         compute it raises ``error`` here and a :class:`~recsdk.sharding.PeerFailureError` on the
-        other ranks. Without the host thread, once the model holds recsdk's sharded hash
-        modules, the failure travels with the batch: its step's input dists send a stand-in
-        they refuse with ``error`` (the last batch read, under
-        :func:`~recsdk.sharding.refuse_inputs`), and the modules' failure agreement raises in
-        its forward, on every rank. Otherwise its place is kept by a batch-less step whose read
-        agreement raises ``error`` (:class:`HostStageError` on the other ranks).
+        other ranks. Once the model holds recsdk's sharded hash modules, the failure travels
+        with the batch: its step's input dists send a stand-in they refuse with ``error`` (the
+        last batch read, under :func:`~recsdk.sharding.refuse_inputs`), and its host stage's
+        failure agreement raises on every rank (the modules' own in the forward without the
+        host thread; the pipeline's on the host thread, :class:`HostStageError` elsewhere).
+        Otherwise its place is kept by a batch-less step whose read agreement raises ``error``
+        (:class:`HostStageError` on the other ranks).
         """
         self._read_error = error
         context = self._tr_new_context()
         if self._reads_carried and self._last_batch is not None:
-            lane.steps.append(_Step(batch=self._last_batch, context=context, read_error=error))
+            step = _Step(batch=self._last_batch, context=context, read_error=error)
+            lane.steps.append(step)
+            self._submit_host_stage(step, agree_on_read=False)
             return
         if not self._tr_pipelined_modules:
             # Not rewritten yet (the first batch, or no sharded module): no host thread to agree
@@ -518,8 +522,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
 
     def _agree_on_read_here(self, index: int | None, error: Exception | None) -> None:
         """The read agreement on the calling thread (before the model is rewritten); a failure
-        stops the pipeline. Afterwards it runs on the host thread, ahead of each batch's host
-        stage, so that no rank issues a collective for a batch another rank does not have."""
+        stops the pipeline. Afterwards, for a model without hash modules, it runs ahead of each
+        batch's host stage, so that no rank issues a collective for a batch another rank does
+        not have."""
         assert self._agreements is not None
         try:
             self._agreements.read(index, error)
@@ -580,11 +585,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if not self._agreements.has_host_groups:
             # Every rank bootstraps at its first progress(), so all create these groups together.
             self._agreements.add_host_groups(host_pgs)
-        # On the calling thread a recsdk hash module's input dist can refuse a batch whose read
-        # failed, and its agreement raise on every rank: no read agreement per batch then.
-        self._reads_carried = not self._host_thread and any(
-            isinstance(m, HostShardedModule) for m in self._inline_modules
-        )
+        # A recsdk hash module's input dist can refuse a batch whose read failed, and the failure
+        # agreement of its host stage (the module's inline, the pipeline's on the host thread)
+        # raise on every rank: no read agreement per batch then.
+        self._reads_carried = any(isinstance(m, HostShardedModule) for m in self._tr_pipelined_modules)
 
     def _start_inline(self, step: _Step) -> None:
         # Settled before the batch's first collective, also for a batch this rank could not
@@ -672,7 +676,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             step.read_agreed = self._start_read_agreement(index, None)
         step.host_future = None
         if self._host_modules:
-            step.host_future = self._worker.submit(self._host_stage, step.batch, index)
+            step.host_future = self._worker.submit(self._host_stage, step.batch, index, step.read_error)
             self._pending.append(step.host_future)
 
     def _start_read_agreement(self, index: int | None, error: Exception | None) -> Future[None]:
@@ -685,13 +689,15 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         self._pending.append(agreed)
         return agreed
 
-    def _host_stage(self, batch: Any, index: int | None) -> _HostResult:
-        """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement."""
+    def _host_stage(self, batch: Any, index: int | None, refused: Exception | None = None) -> _HostResult:
+        """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement
+        (``refused``: the batch is a failed read's stand-in, refused with that error)."""
         result: _HostResult = {}
         error: BaseException | None = None
         try:
             context = self._tr_host_context(index)
-            with self._tr_data_dist_scope():
+            refusal = refuse_inputs(refused) if refused is not None else contextlib.nullcontext()
+            with self._tr_data_dist_scope(), refusal:
                 self._tr_start_data_dist(self._host_modules, batch, context)
                 self.wait_sparse_data_dist(context)
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
