@@ -13,7 +13,6 @@ an accelerator; on a CPU device it keeps TorchRec's schedule on the calling thre
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -601,8 +600,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         step.inline_started = True
         if not self._inline_modules:
             return
-        refused = refuse_inputs(step.read_error) if step.read_error is not None else contextlib.nullcontext()
-        with self._tr_data_dist_scope(), refused:
+        with self._tr_data_dist_scope(), refuse_inputs(step.read_error):
             self._tr_start_data_dist(self._inline_modules, step.batch, step.context)
 
     def _refused(self, step: _Step) -> bool:
@@ -696,8 +694,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         error: BaseException | None = None
         try:
             context = self._tr_host_context(index)
-            refusal = refuse_inputs(refused) if refused is not None else contextlib.nullcontext()
-            with self._tr_data_dist_scope(), refusal:
+            with self._tr_data_dist_scope(), refuse_inputs(refused):
                 self._tr_start_data_dist(self._host_modules, batch, context)
                 self.wait_sparse_data_dist(context)
                 result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)

@@ -33,8 +33,9 @@ _REFUSAL = threading.local()  # .error: the error refuse_inputs() gives the call
 
 
 @contextlib.contextmanager
-def refuse_inputs(error: Exception) -> Iterator[None]:
-    """Within (this thread): every sharded hash module's input check refuses its batch with ``error``.
+def refuse_inputs(error: Exception | None) -> Iterator[None]:
+    """Within (this thread): every sharded hash module's input check refuses its batch with ``error``
+    (``None``: changes nothing).
 
     The module sends an empty stand-in in its place, flagged bad in its id all-to-all (no rank
     maps that batch), and its host-stage agreement raises ``error`` on this rank and
@@ -43,13 +44,16 @@ def refuse_inputs(error: Exception) -> Iterator[None]:
     collective this rank skipped.
 
     Args:
-        error (Exception): what to raise (on this rank, as it is).
+        error (Exception | None): what to raise (on this rank, as it is); ``None``: no new refusal.
 
     Example::
 
         with refuse_inputs(read_error):  # the iterator raised: send a stand-in for the batch
             pipeline_start_input_dist(previous_batch)
     """
+    if error is None:
+        yield
+        return
     previous = getattr(_REFUSAL, "error", None)
     _REFUSAL.error = error
     try:

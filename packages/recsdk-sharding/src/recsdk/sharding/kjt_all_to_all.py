@@ -318,10 +318,10 @@ class _Exchange:
         parts: list[list[torch.Tensor]] = [[] for _ in range(num)]
         for s in range(world):
             share = self.received_shares[s]
-            words = self._received[s, self._head : self._head + min(share, self.words)]
+            block = self._received[s, self._head : self._head + min(share, self.words)]
             if rest is not None and share > self.words:
-                words = torch.cat([words, rest[s]])
-            for t, part in enumerate(words.split([self.output_splits[t][s] for t in range(num)])):
+                block = torch.cat([block, rest[s]])
+            for t, part in enumerate(block.split([self.output_splits[t][s] for t in range(num)])):
                 parts[t].append(part)
         return [_from_words(torch.cat(p), dtype) for p, dtype in zip(parts, self.dtypes, strict=True)]
 
