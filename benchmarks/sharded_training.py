@@ -88,7 +88,7 @@ from recsdk.data.testing import run_distributed
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
-    HybridPerfModel,
+    HybridEmbeddingShardingPlanner,
     get_default_hybrid_sharders,
     sharded_hash_modules,
 )
@@ -153,18 +153,22 @@ def _row_bytes(model: nn.Module) -> int:
 def _plan_unconstrained(kind: str, args: argparse.Namespace, host: ShardingEnv, planner: str) -> ShardingPlan:
     """The planner's plan with no constraint (the planners' default pooling factor, 1.0).
 
-    ``planner``: ``"recsdk"`` (``HybridEmbeddingEnumerator``, its cost model, and
-    ``HybridPerfModel``), ``"recsdk_enumerator"`` (the enumerator alone, with TorchRec's perf
-    model) or ``"torchrec"`` (TorchRec's enumerator, estimator and perf model).
+    ``planner``: ``"recsdk"`` (``HybridEmbeddingShardingPlanner``: ``HybridEmbeddingEnumerator``,
+    its cost model, and ``HybridPerfModel``), ``"recsdk_enumerator"`` (the enumerator alone, with
+    TorchRec's perf model) or ``"torchrec"`` (TorchRec's enumerator, estimator and perf model).
     """
     model, _ = _model(kind, args)
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
-    extra: dict[str, Any] = {}
-    if planner.startswith("recsdk"):
-        extra["enumerator"] = HybridEmbeddingEnumerator(topology=topology, batch_size=args.batch_size)
+    sharding_planner: EmbeddingShardingPlanner
     if planner == "recsdk":
-        extra["performance_model"] = HybridPerfModel(topology)
-    sharding_planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size, **extra)
+        sharding_planner = HybridEmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size)
+    elif planner == "recsdk_enumerator":
+        enumerator = HybridEmbeddingEnumerator(topology=topology, batch_size=args.batch_size)
+        sharding_planner = EmbeddingShardingPlanner(
+            topology=topology, batch_size=args.batch_size, enumerator=enumerator
+        )
+    else:
+        sharding_planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size)
     return sharding_planner.collective_plan(model, get_default_hybrid_sharders(host_env=host), dist.GroupMember.WORLD)
 
 
