@@ -1,7 +1,9 @@
 """recsdk-data: the Batch type, datasets and readers, stable id hashing, and device helpers."""
 
 from recsdk.data.batch import Batch
-from recsdk.data.criteo import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES, CriteoDataset, write_synthetic_criteo
+from recsdk.data.criteo import CriteoDataset
+from recsdk.data.criteo_synthetic import write_synthetic_criteo
+from recsdk.data.criteo_tsv import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
 from recsdk.data.device import (
     DEVICE_TYPES,
     backend_for,
