@@ -1,7 +1,9 @@
 """recsdk-data: the Batch type, datasets and readers, stable id hashing, and device helpers."""
 
 from recsdk.data.batch import Batch
+from recsdk.data.columnar import ColumnarDataset
 from recsdk.data.criteo import CriteoDataset
+from recsdk.data.criteo_convert import convert_criteo
 from recsdk.data.criteo_synthetic import write_synthetic_criteo
 from recsdk.data.criteo_tsv import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
 from recsdk.data.device import (
@@ -23,10 +25,12 @@ __all__ = [
     "CRITEO_SPARSE_FEATURES",
     "DEVICE_TYPES",
     "Batch",
+    "ColumnarDataset",
     "CriteoDataset",
     "ParquetRecDataset",
     "RandomRecDataset",
     "backend_for",
+    "convert_criteo",
     "current_shard",
     "current_stream",
     "get_device",

@@ -1,0 +1,293 @@
+"""A reader of converted columnar datasets: memory-mapped Arrow files to training batches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.data._checks import check_bool, check_int
+from recsdk.data.batch import Batch
+from recsdk.data.columnar_format import MANIFEST, check_part, columnar_schema, read_manifest
+from recsdk.data.partition import check_rank_and_world_size, current_shard
+
+__all__ = ["ColumnarDataset"]
+
+_STATE_KEYS = ("epoch", "batches_read", "rows", "batch_size", "drop_last", "shuffle", "seed", "shard", "num_shards")
+
+
+@dataclass
+class _Segment:
+    """One record batch's columns as numpy views of the mapped file; rows ``[start, start + n)`` of the dataset."""
+
+    start: int
+    n: int
+    labels: npt.NDArray[np.float32]
+    dense: npt.NDArray[np.float32]  # [n, D]
+    offsets: list[npt.NDArray[np.int32]]  # per feature, [n + 1]
+    ids: list[npt.NDArray[np.int64]]  # per feature, the ids of all n rows
+
+
+def _segment(batch: pa.RecordBatch, start: int, num_dense: int, features: list[str]) -> _Segment:
+    """Views of ``batch``'s buffers (no copy: the arrays point into the mapped file)."""
+    n = batch.num_rows
+    dense = batch.column("dense").flatten().to_numpy(zero_copy_only=True).reshape(n, num_dense)
+    offsets, ids = [], []
+    for name in features:
+        column = batch.column(name)
+        offsets.append(column.offsets.to_numpy(zero_copy_only=True))
+        ids.append(column.values.to_numpy(zero_copy_only=True))
+    return _Segment(start, n, batch.column("label").to_numpy(zero_copy_only=True), dense, offsets, ids)
+
+
+class ColumnarDataset(IterableDataset[Batch]):
+    """Batches from a columnar dataset converted by ``python -m recsdk.data.convert``.
+
+    Yields the same :class:`~recsdk.data.Batch` as :class:`~recsdk.data.CriteoDataset` over the
+    source files: dense float32 ``[B, D]``, a KJT of raw int64 ids (int32 lengths, with its
+    offsets and per-key lengths filled in), float32 labels ``[B]``. With one rank and no
+    shuffle, batch ``i`` holds exactly the rows ``CriteoDataset(sources, batch_size)`` puts in
+    its batch ``i`` (skipped bad lines left out the same way).
+
+    The part files are memory-mapped and every column is read in place (no decoding, no
+    copy into Python buffers); each batch's tensors are built with one copy per array (the
+    ids gathered feature by feature, as a KJT lays them out), so a batch owns its memory and
+    never aliases the files.
+
+    **Sharding.** The dataset's rows, in order, form global batches of ``batch_size``
+    contiguous rows (the last one partial unless ``drop_last``). Global batch ``k`` of the
+    epoch's order belongs to rank ``k % world_size``; DataLoader workers split their rank's
+    batches round-robin (see :func:`recsdk.data.current_shard`), so a rank yields the same
+    batches in the same order with or without workers. Ranks may get one batch more or
+    fewer than each other.
+
+    **Shuffling.** ``shuffle=True`` permutes the global batches' order each epoch, seeded by
+    ``(seed, epoch)`` and the same on every rank (so ranks still split them without
+    overlap); a batch's rows stay together, as in TorchRec's ``shuffle_batches``. Call
+    :meth:`set_epoch` for a new order each epoch.
+
+    **Position.** :meth:`state_dict` gives the epoch and the number of batches this reader
+    has yielded in it; :meth:`load_state_dict` makes the next iteration continue after them
+    (the protocol of torchdata's ``StatefulDataLoader``). A state loads only into a reader
+    over the same dataset with the same batch size, shuffle, seed and shard.
+
+    Args:
+        path (str | os.PathLike): the dataset folder (the converter's ``OUT``).
+        batch_size (int): rows per batch (>= 1).
+        rank (int | None): this rank; ``None`` asks ``torch.distributed`` at iteration
+            (0 when it is not initialised). Give both or neither.
+        world_size (int | None): number of ranks, like ``rank``.
+        shuffle (bool): permute the batches' order each epoch.
+        seed (int): seed of the shuffle (>= 0).
+        drop_last (bool): leave out the last, partial global batch.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a folder.
+        ValueError: ``path`` is not a complete converted dataset, or a part file is missing,
+            of another size than the manifest says, or not an Arrow file of the dataset's
+            schema (the message names the file).
+
+    Example::
+
+        # python -m recsdk.data.convert criteo day_0.gz day_1.gz criteo_columnar/
+        ds = ColumnarDataset("criteo_columnar", batch_size=4096, shuffle=True)
+        for batch in DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True):
+            ...  # dense [4096, 13], KJT cat_0..cat_25 of raw int64 ids, labels [4096]
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        batch_size: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}")
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        check_rank_and_world_size(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.seed = check_int("seed", seed, minimum=0)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.path = Path(path)
+        manifest = read_manifest(self.path)
+        self.features: list[str] = list(manifest["sparse"])
+        self.dense_columns: list[str] = list(manifest["dense"]["names"])
+        self.num_rows: int = int(manifest["rows"])
+        schema = columnar_schema(len(self.dense_columns), self.features)
+        self._segments: list[_Segment] = []
+        self._readers: list[pa.RecordBatchFileReader] = []  # keep the mappings alive with the views
+        start = 0
+        for part in manifest["parts"]:
+            reader = check_part(self.path, part, schema)
+            self._readers.append(reader)
+            for i in range(reader.num_record_batches):
+                segment = _segment(reader.get_batch(i), start, len(self.dense_columns), self.features)
+                self._segments.append(segment)
+                start += segment.n
+        if start != self.num_rows:
+            raise ValueError(f"{self.path / MANIFEST}: {self.num_rows:,} rows, its parts hold {start:,}")
+        self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
+        self.epoch = 0
+        self._resume_at = 0  # batches of this shard's order to skip on the next iteration
+        self._read = 0  # batches yielded (or skipped on resume) in the current epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use a different batch order for ``epoch`` (no effect without ``shuffle``).
+
+        Another epoch than the current one starts at its first batch; the current one keeps a
+        position loaded by :meth:`load_state_dict`.
+        """
+        if check_int("epoch", epoch, minimum=0) != self.epoch:
+            self.epoch = epoch
+            self._resume_at = self._read = 0
+
+    @property
+    def num_batches(self) -> int:
+        """Global batches per epoch, over all ranks."""
+        full, rest = divmod(self.num_rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _order(self, shard: int, num_shards: int) -> npt.NDArray[np.int64]:
+        """The global batches this shard yields this epoch, in order."""
+        order = np.arange(self.num_batches, dtype=np.int64)
+        if self.shuffle:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.epoch])))
+            order = rng.permutation(order)
+        return order[shard::num_shards]
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (all its DataLoader workers together)."""
+        shard, num_shards = current_shard(self.rank, self.world_size)
+        return len(range(shard, self.num_batches, num_shards))
+
+    def __iter__(self) -> Iterator[Batch]:
+        shard, num_shards = current_shard(self.rank, self.world_size)
+        order = self._order(shard, num_shards)
+        start, self._resume_at = self._resume_at, 0
+        self._read = start
+        for k in order[start:].tolist():
+            batch = self.batch(k)
+            self._read += 1
+            yield batch
+
+    def batch(self, k: int) -> Batch:
+        """Global batch ``k``: rows ``[k * batch_size, (k + 1) * batch_size)`` (fewer for the last)."""
+        first = k * self.batch_size
+        last = min(first + self.batch_size, self.num_rows)
+        if not 0 <= first < last:
+            raise IndexError(f"batch {k} is out of range: the dataset has {self.num_batches} batches")
+        pieces = []  # (segment, first row, end row) in the segment's numbering
+        i = int(np.searchsorted(self._starts, first, side="right")) - 1
+        while first < last:
+            seg = self._segments[i]
+            end = min(last, seg.start + seg.n)
+            pieces.append((seg, first - seg.start, end - seg.start))
+            first, i = end, i + 1
+        return self._make_batch(pieces)
+
+    def _make_batch(self, pieces: list[tuple[_Segment, int, int]]) -> Batch:
+        """One copy of each array: the ids feature-major across the pieces, lengths ``[F, B]``.
+
+        Each piece's stored offsets of its rows, ``[F, rows + 1]``, give the ids' ranges, the
+        lengths (their differences) and the KJT's offsets (shifted to the batch's layout).
+        """
+        num_features = len(self.features)
+        bounds = [
+            np.concatenate([o[a : b + 1] for o in s.offsets]).reshape(num_features, b - a + 1) for s, a, b in pieces
+        ]
+        firsts = [bound[:, 0].tolist() for bound in bounds]
+        lasts = [bound[:, -1].tolist() for bound in bounds]
+        values = np.concatenate(
+            [
+                s.ids[j][first[j] : last[j]]
+                for j in range(num_features)
+                for (s, _, _), first, last in zip(pieces, firsts, lasts, strict=True)
+            ]
+        )
+        per_key = np.zeros(num_features, dtype=np.int64)
+        for first, last in zip(firsts, lasts, strict=True):
+            per_key += np.subtract(last, first)
+        offset_per_key = np.zeros(num_features + 1, dtype=np.int64)
+        np.cumsum(per_key, out=offset_per_key[1:])
+        if len(pieces) == 1:
+            bound = bounds[0]
+            lengths = bound[:, 1:] - bound[:, :-1]  # [F, B]
+            # The KJT's offsets: each feature's stored offsets moved to where its ids start in `values`.
+            shift = (offset_per_key[:-1] - bound[:, 0]).astype(np.int32)
+            offsets = np.empty(lengths.size + 1, dtype=np.int32)
+            np.add(bound[:, :-1], shift[:, None], out=offsets[:-1].reshape(lengths.shape))
+            offsets[-1] = offset_per_key[-1]
+            s, a, b = pieces[0]
+            dense, labels = s.dense[a:b].copy(), s.labels[a:b].copy()
+        else:  # a batch across record batches: the KJT computes its offsets when asked
+            lengths = np.concatenate([bound[:, 1:] - bound[:, :-1] for bound in bounds], axis=1)
+            offsets = None
+            dense = np.concatenate([s.dense[a:b] for s, a, b in pieces])
+            labels = np.concatenate([s.labels[a:b] for s, a, b in pieces])
+        kjt = KeyedJaggedTensor(
+            keys=self.features,
+            values=torch.from_numpy(values),
+            lengths=torch.from_numpy(lengths.reshape(-1)),
+            offsets=None if offsets is None else torch.from_numpy(offsets),
+            stride=lengths.shape[1],
+            length_per_key=per_key.tolist(),
+            offset_per_key=offset_per_key.tolist(),
+        )
+        return Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: the epoch and the batches of it already yielded, with what they depend on."""
+        shard, num_shards = current_shard(self.rank, self.world_size)
+        return {
+            "epoch": self.epoch,
+            "batches_read": self._read,
+            "rows": self.num_rows,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "shard": shard,
+            "num_shards": num_shards,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had read.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: a key is missing, or ``state`` is of a reader over another dataset,
+                batch size, shuffle, seed, or shard of the data (every difference named).
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from ColumnarDataset.state_dict(), got {type(state).__name__}")
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"state is missing {missing}; expected a dict from ColumnarDataset.state_dict()")
+        mine = self.state_dict()
+        differ = [
+            f"{key} {state[key]!r} (this reader: {mine[key]!r})"
+            for key in _STATE_KEYS
+            if key not in ("epoch", "batches_read") and state[key] != mine[key]
+        ]
+        if differ:
+            raise ValueError(f"state is of another reader: {', '.join(differ)}")
+        self.epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        batches = len(self._order(mine["shard"], mine["num_shards"]))
+        self._resume_at = check_int("state['batches_read']", state["batches_read"], minimum=0, maximum=batches)
+        self._read = self._resume_at

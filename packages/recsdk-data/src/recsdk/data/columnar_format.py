@@ -1,0 +1,153 @@
+"""recsdk's columnar dataset format: Arrow IPC part files and the manifest that makes them a dataset.
+
+A converted dataset is a folder::
+
+    manifest.json           written last: the folder is a complete dataset once it exists
+    part-00000.arrow        Arrow IPC files (uncompressed), in row order, each holding record
+    part-00001.arrow ...    batches of up to ``rows_per_batch`` rows
+
+Each record batch has the columns
+
+* ``label``: float32, one per row;
+* ``dense``: ``fixed_size_list<float32>[D]``: the row's dense features as the reader yields
+  them (for Criteo ``log(1 + max(x, 0))``, 0 when empty), row-major, so ``[n, D]`` is one view;
+* one ``list<int64>`` column per sparse feature: the row's raw ids (an empty list: no id).
+
+Why Arrow IPC and not Parquet: an uncompressed IPC file is the in-memory layout on disk, so a
+reader memory-maps it and takes every column as a view, with no decoding; Parquet decodes
+(and usually decompresses) every page, so reading it costs a copy and a decode per value
+(``benchmarks/data_readers.py`` measures both). The price is size: about 8 bytes per id.
+
+The manifest (JSON, no pickle) holds the format and version, the row count, the column
+names, the dense transform, the source files with their sizes, and every part with its
+rows and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "check_part",
+    "columnar_schema",
+    "read_manifest",
+    "record_batch",
+    "write_json_atomically",
+]
+
+FORMAT = "recsdk-columnar"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def columnar_schema(num_dense: int, sparse_features: Sequence[str]) -> pa.Schema:
+    """The Arrow schema of a dataset with ``num_dense`` dense features and these sparse features."""
+    fields = [
+        pa.field("label", pa.float32(), nullable=False),
+        pa.field("dense", pa.list_(pa.float32(), num_dense), nullable=False),
+    ]
+    fields += [pa.field(name, pa.list_(pa.int64()), nullable=False) for name in sparse_features]
+    return pa.schema(fields)
+
+
+def record_batch(
+    schema: pa.Schema,
+    labels: npt.NDArray[np.float32],
+    dense: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int64],
+    present: npt.NDArray[np.bool_],
+) -> pa.RecordBatch:
+    """Rows with at most one id per feature as a record batch of ``schema``.
+
+    Args:
+        schema (pa.Schema): from :func:`columnar_schema`.
+        labels (np.ndarray): float32 ``[n]``.
+        dense (np.ndarray): float32 ``[n, D]``.
+        ids (np.ndarray): int64 ``[n, F]``, the id of each row and feature (ignored where absent).
+        present (np.ndarray): bool ``[n, F]``, whether the row has an id for the feature.
+    """
+    n = labels.shape[0]
+    columns: list[pa.Array] = [
+        pa.array(labels, type=pa.float32()),
+        pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(dense).reshape(-1)), dense.shape[1]),
+    ]
+    for j in range(ids.shape[1]):
+        mask = present[:, j]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(mask, out=offsets[1:])
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids[mask, j], type=pa.int64())))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def write_json_atomically(path: Path, content: Any) -> None:
+    """Write ``content`` as JSON to ``path`` through a temporary file, flushed, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(content, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest of the dataset folder ``root``, checked to be this format's.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a folder.
+        ValueError: ``root`` holds no manifest (not a converted dataset, or a conversion not
+            finished), or one of another format or version.
+    """
+    if not root.is_dir():
+        raise FileNotFoundError(f"columnar dataset folder not found: {str(root)!r}")
+    path = root / MANIFEST
+    if not path.is_file():
+        hint = " (a conversion was started there but has not finished: run it again to resume)"
+        raise ValueError(
+            f"{str(root)!r} is not a converted dataset: it has no {MANIFEST}"
+            + (hint if (root / ".convert").is_dir() else "")
+            + "; convert with `python -m recsdk.data.convert criteo IN... OUT`"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format version {manifest.get('format_version')!r}, this reader reads version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> pa.RecordBatchFileReader:
+    """Open one part file memory-mapped, checked against the manifest's size and the schema.
+
+    Raises:
+        ValueError: the file is missing, has another size than the manifest says, is not an
+            Arrow IPC file, or has another schema; the message names the file.
+    """
+    path = root / part["file"]
+    if not path.is_file():
+        raise ValueError(f"{path}: part file listed in {MANIFEST} is missing")
+    size = path.stat().st_size
+    if size != part["bytes"]:
+        raise ValueError(f"{path}: {size:,} bytes, {MANIFEST} says {part['bytes']:,}: the file is damaged")
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"{path}: not an Arrow IPC file ({e})") from e
+    if not reader.schema.equals(schema):
+        raise ValueError(f"{path}: schema {reader.schema} differs from the dataset's {schema}")
+    return reader

@@ -1,0 +1,366 @@
+"""Converting Criteo TSV files into recsdk's columnar format, in parallel and resumably.
+
+:func:`convert_criteo` (on the command line ``python -m recsdk.data.convert criteo IN... OUT``):
+the inputs (plain or ``.gz``, days in order) become ``OUT``, a folder that :class:`~recsdk.data.ColumnarDataset` reads
+(format: :mod:`recsdk.data.columnar_format`). Each line is parsed exactly as
+:class:`~recsdk.data.CriteoDataset` parses it (hex ids parsed once, an empty field is no id,
+bad lines raise naming file and line or are skipped and counted).
+
+**Units of work.** A plain file is cut at line ends into ranges of about ``chunk_bytes``; a
+compressed file is one unit (it can only be read from its start). Units run on ``workers``
+processes, each writing one part file (record batches of up to ``rows_per_batch`` rows),
+flushed and renamed into place, then a marker saying it is done. The manifest is written
+last, so ``OUT`` is a dataset only once every unit is done.
+
+**Resuming.** ``OUT/.convert/plan.json`` records the inputs (path, size, modification time)
+and the options. Run again with the same inputs and options, a conversion that was killed
+keeps its finished units and does the rest; other inputs or options raise ``ValueError``
+naming each difference (``overwrite=True`` / ``--overwrite`` starts over).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
+from recsdk.data.columnar_format import FORMAT, FORMAT_VERSION, MANIFEST, columnar_schema, read_manifest, record_batch
+from recsdk.data.columnar_format import write_json_atomically as _write_json
+from recsdk.data.criteo_tsv import (
+    CRITEO_DENSE_COLUMNS,
+    CRITEO_SPARSE_FEATURES,
+    ON_BAD_LINE,
+    BadLines,
+    CriteoRows,
+    read_criteo_tsv,
+)
+
+__all__ = ["convert_criteo"]
+
+_WORK = ".convert"  # the conversion's own bookkeeping inside OUT
+_COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}  # what pyarrow's CSV reader detects
+_SEARCH = 1 << 20  # bytes read at a time when looking for a line end
+
+
+def _part_name(unit: int) -> str:
+    return f"part-{unit:05d}.arrow"
+
+
+def _marker(out: Path, unit: int) -> Path:
+    return out / _WORK / f"unit-{unit:05d}.json"
+
+
+def _line_end_after(path: Path, position: int, size: int) -> int:
+    """The offset just past the first ``\\n`` at or after ``position`` (``size`` if none)."""
+    with open(path, "rb") as f:
+        f.seek(position)
+        while position < size:
+            block = f.read(_SEARCH)
+            i = block.find(b"\n")
+            if i >= 0:
+                return position + i + 1
+            position += len(block)
+    return size
+
+
+def _plan(paths: list[Path], chunk_bytes: int, on_bad_line: str, rows_per_batch: int) -> dict[str, Any]:
+    """Inputs, options and units (``[source, start, end]``; ``start`` is ``None`` for a compressed file)."""
+    sources, units = [], []
+    for i, path in enumerate(paths):
+        stat = path.stat()
+        sources.append({"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        if path.suffix in _COMPRESSED:
+            units.append([i, None, stat.st_size])
+            continue
+        start = 0
+        while start < stat.st_size:
+            end = _line_end_after(path, min(start + chunk_bytes, stat.st_size), stat.st_size)
+            units.append([i, start, end])
+            start = end
+    options = {"on_bad_line": on_bad_line, "rows_per_batch": rows_per_batch, "chunk_bytes": chunk_bytes}
+    return {"kind": "criteo", "sources": sources, "options": options, "units": units}
+
+
+def _plan_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two plans, in words (empty when the same)."""
+    differ = []
+    old_paths = [s["path"] for s in old.get("sources", [])]
+    new_paths = [s["path"] for s in new["sources"]]
+    if old_paths != new_paths:
+        differ.append(f"inputs {old_paths} -> {new_paths}")
+    else:
+        for a, b in zip(old["sources"], new["sources"], strict=True):
+            for key in ("bytes", "mtime_ns"):
+                if a[key] != b[key]:
+                    differ.append(f"{b['path']} {key} {a[key]} -> {b[key]} (the file changed)")
+    for key, value in new["options"].items():
+        if old.get("options", {}).get(key) != value:
+            differ.append(f"{key} {old.get('options', {}).get(key)!r} -> {value!r}")
+    return differ
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """Line ends in the first ``offset`` bytes of a plain file."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(_SEARCH * 16, offset))
+            if not block:
+                break
+            count += block.count(b"\n")
+            offset -= len(block)
+    return count
+
+
+def _concat(rows: list[CriteoRows]) -> CriteoRows:
+    if len(rows) == 1:
+        return rows[0]
+    return CriteoRows(*(np.concatenate(arrays) for arrays in zip(*(r.arrays() for r in rows), strict=True)))
+
+
+_REPORT: Callable[[int], None] | None = None  # a worker process's progress channel
+
+
+def _init_worker(queue: Any) -> None:
+    global _REPORT
+    _REPORT = queue.put
+
+
+def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: dict[str, Any]) -> dict[str, int]:
+    """Convert one unit into its part file and mark it done; returns its rows and bad lines."""
+    report = _REPORT or (lambda _: None)
+    path, (_, start, end) = Path(source), spec
+    raw: pa.NativeFile
+    if start is None:
+        raw = pa.OSFile(source)
+        stream: pa.NativeFile = pa.CompressedInputStream(raw, _COMPRESSED[path.suffix])
+    else:
+        raw = stream = pa.BufferReader(pa.memory_map(source, "r").read_at(end - start, start))
+    bad = BadLines(options["on_bad_line"], line_base=(lambda: _lines_before(path, start) + 1) if start else None)
+    schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES)
+    part = Path(out) / _part_name(unit)
+    tmp = part.with_name(part.name + ".tmp")
+    limit, rows, pending, held, reported = options["rows_per_batch"], 0, [], 0, 0
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+
+        def write(block: CriteoRows) -> None:
+            writer.write_batch(record_batch(schema, *block.arrays()))
+
+        with stream:
+            for block in read_criteo_tsv(stream, path, bad, block_size=options["block_size"]):
+                pending.append(block)
+                held += len(block)
+                if held >= limit:
+                    joined = _concat(pending)
+                    for first in range(0, held - limit + 1, limit):
+                        write(joined.take(slice(first, first + limit)))
+                    kept = held % limit
+                    pending, held = ([joined.take(slice(held - kept, held))] if kept else []), kept
+                rows += len(block)
+                done = raw.tell()  # input bytes consumed (compressed bytes for a compressed file)
+                report(done - reported)
+                reported = done
+            if pending:
+                write(_concat(pending))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, part)
+    report((end - (start or 0)) - reported)  # the rest of the unit's bytes
+    result = {"rows": rows, "bad_lines": bad.count, "bytes": part.stat().st_size}
+    _write_json(_marker(Path(out), unit), result)
+    return result
+
+
+def _prepare(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
+    """Make ``out`` ready for ``plan``: new, resumed (same plan), or cleared (another plan and ``overwrite``)."""
+    work = out / _WORK
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a folder")
+    ours = work.is_dir() or (out / MANIFEST).is_file()
+    if out.is_dir() and any(out.iterdir()) and not ours:
+        raise ValueError(f"output folder {str(out)!r} holds other files: give an empty or new folder")
+    if ours:
+        recorded = work / "plan.json"
+        old = json.loads(recorded.read_text()) if recorded.is_file() else None
+        differ = _plan_differences(old, plan) if old is not None else ["it has no conversion plan"]
+        if differ and not overwrite:
+            raise ValueError(
+                f"{str(out)!r} holds a conversion of other inputs or options: {'; '.join(differ)}; give another "
+                "output folder, the same inputs and options to resume, or overwrite=True (--overwrite) to start over"
+            )
+        if differ:
+            for child in out.iterdir():
+                if child.name in (MANIFEST, _WORK) or child.name.startswith("part-"):
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    _write_json(work / "plan.json", plan)
+
+
+def convert_criteo(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    on_bad_line: str = "error",
+    rows_per_batch: int = 1 << 18,
+    chunk_bytes: int = 256 << 20,
+    block_size: int = 1 << 22,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Convert Criteo TSV files (plain or compressed, in order) into a columnar dataset folder.
+
+    Args:
+        inputs (str | os.PathLike | Sequence): one file or a list, in line order.
+        out (str | os.PathLike): the dataset folder to write (new, empty, or a conversion
+            of the same inputs to resume).
+        workers (int | None): processes converting units in parallel (>= 1); ``None``: the
+            CPU count, at most the number of units. ``1`` converts in this process.
+        on_bad_line (str): ``"error"`` (raise ``ValueError`` naming file and line) or
+            ``"skip"`` (leave the line out; the manifest counts them).
+        rows_per_batch (int): rows per record batch of a part file (>= 1).
+        chunk_bytes (int): bytes of a plain file per unit of work (>= 1).
+        block_size (int): bytes the CSV parser reads at a time (>= 1024).
+        overwrite (bool): replace a conversion of other inputs or options in ``out``.
+        progress (bool): show a progress bar (tqdm) of the input bytes done.
+
+    Returns:
+        dict: the manifest written to ``out/manifest.json``.
+
+    Raises:
+        FileNotFoundError: an input file is missing.
+        ValueError: a bad line with ``on_bad_line="error"`` (``file:line``), or ``out`` holds
+            other files or another conversion (each difference named).
+
+    Example::
+
+        manifest = convert_criteo(["day_0.gz", "day_1.gz"], "criteo_columnar", on_bad_line="skip")
+        ds = ColumnarDataset("criteo_columnar", batch_size=4096)
+    """
+    paths = check_paths(inputs)
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be a str or os.PathLike, got {type(out).__name__} {out!r}")
+    if workers is not None:
+        check_int("workers", workers, minimum=1)
+    check_choice("on_bad_line", on_bad_line, ON_BAD_LINE)
+    check_int("rows_per_batch", rows_per_batch, minimum=1)
+    check_int("chunk_bytes", chunk_bytes, minimum=1)
+    check_int("block_size", block_size, minimum=1024)
+    check_bool("overwrite", overwrite)
+    check_bool("progress", progress)
+    root = Path(out)
+    plan = _plan(paths, chunk_bytes, on_bad_line, rows_per_batch)
+    _prepare(root, plan, overwrite)
+    if (root / MANIFEST).is_file():
+        return read_manifest(root)
+    results: dict[int, dict[str, int]] = {}
+    todo = []
+    for unit in range(len(plan["units"])):
+        marker, part = _marker(root, unit), root / _part_name(unit)
+        if marker.is_file() and part.is_file():
+            done = json.loads(marker.read_text())
+            if done["bytes"] == part.stat().st_size:
+                results[unit] = done
+                continue
+        for stale in (marker, part, part.with_name(part.name + ".tmp")):
+            stale.unlink(missing_ok=True)
+        todo.append(unit)
+    options = {**plan["options"], "block_size": block_size}
+    unit_bytes = [end - (start or 0) for _, start, end in plan["units"]]
+    bar = _progress_bar(progress, sum(unit_bytes), sum(unit_bytes[u] for u in results))
+    started = time.perf_counter()
+    try:
+        n = min(workers or os.cpu_count() or 1, max(len(todo), 1))
+        args = [(str(root), u, plan["units"][u], plan["sources"][plan["units"][u][0]]["path"], options) for u in todo]
+        if n == 1:
+            global _REPORT
+            _REPORT = bar.update if bar is not None else None
+            try:
+                for a in args:
+                    results[a[1]] = _convert_unit(*a)
+            finally:
+                _REPORT = None
+        else:
+            results.update(_run_pool(n, args, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest = _manifest(root, plan, results)
+    _write_json(root / MANIFEST, manifest)
+    manifest["seconds"] = time.perf_counter() - started
+    return manifest
+
+
+def _progress_bar(show: bool, total: int, initial: int) -> Any:
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="convert", file=sys.stderr)
+
+
+def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[str, int]]:
+    """Run the units on ``n`` processes; the first failure stops all of them and is raised."""
+    ctx = mp.get_context("spawn")  # no fork: the parent may hold threads (pyarrow's, torch's)
+    queue = ctx.Queue()
+    results: dict[int, dict[str, int]] = {}
+    with ctx.Pool(n, initializer=_init_worker, initargs=(queue,)) as pool:
+        pending = {a[1]: pool.apply_async(_convert_unit, a) for a in args}
+        try:
+            while pending:
+                while not queue.empty():
+                    delta = queue.get()
+                    if bar is not None:
+                        bar.update(delta)
+                for unit in [u for u, r in pending.items() if r.ready()]:
+                    results[unit] = pending.pop(unit).get()  # raises the worker's error
+                time.sleep(0.05)
+        except BaseException:
+            pool.terminate()
+            raise
+    return results
+
+
+def _manifest(root: Path, plan: dict[str, Any], results: dict[int, dict[str, int]]) -> dict[str, Any]:
+    schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES)
+    sources = [{"path": s["path"], "bytes": s["bytes"], "rows": 0, "bad_lines": 0} for s in plan["sources"]]
+    parts = []
+    for unit, (source, start, end) in enumerate(plan["units"]):
+        done = results[unit]
+        sources[source]["rows"] += done["rows"]
+        sources[source]["bad_lines"] += done["bad_lines"]
+        span = None if start is None else [start, end]
+        parts.append(
+            {
+                "file": _part_name(unit),
+                "rows": done["rows"],
+                "bytes": done["bytes"],
+                "source": source,
+                "byte_range": span,
+            }
+        )
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": "criteo",
+        "rows": sum(p["rows"] for p in parts),
+        "bad_lines": sum(s["bad_lines"] for s in sources),
+        "on_bad_line": plan["options"]["on_bad_line"],
+        "label": "label",
+        "dense": {"column": "dense", "names": CRITEO_DENSE_COLUMNS, "transform": "log(1 + max(x, 0)), 0 when empty"},
+        "sparse": CRITEO_SPARSE_FEATURES,
+        "schema": [{"name": f.name, "type": str(f.type)} for f in schema],
+        "rows_per_batch": plan["options"]["rows_per_batch"],
+        "sources": sources,
+        "parts": parts,
+    }
