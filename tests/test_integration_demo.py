@@ -140,6 +140,28 @@ def test_demo_on_a_criteo_file(tmp_path: Path) -> None:
     assert summary["best_possible_auc"] is None
 
 
+def test_converted_criteo_trains_exactly_as_the_tsv(tmp_path: Path) -> None:
+    # The README's convert-then-train, as a user runs it; on one rank both readers yield the
+    # same batches, so the two runs are the same training, loss for loss.
+    data = write_synthetic_criteo(tmp_path / "day_0.tsv", num_lines=2000, seed=4)
+    convert = [sys.executable, "-m", "recsdk.data.convert", "criteo", str(data), str(tmp_path / "day_0_columnar")]
+    converted = subprocess.run(convert, capture_output=True, text=True, timeout=300, check=False)
+    assert converted.returncode == 0, converted.stderr[-4000:]
+    assert "2,000 rows from 1 file(s)" in converted.stdout
+    summaries = {}
+    for kind, path in (("criteo", data), ("columnar", tmp_path / "day_0_columnar")):
+        out = tmp_path / f"out_{kind}"
+        flags = ["--world-size", "1", "--data", kind, "--data-path", str(path), "--steps", "30", "--batch-size", "64"]
+        proc = run_demo(*flags, "--eval-every", "10", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        summaries[kind] = json.loads((out / "summary.json").read_text())
+        assert summaries[kind]["data"] == kind
+    criteo, columnar = summaries["criteo"], summaries["columnar"]
+    assert columnar["eval_history"] == criteo["eval_history"]
+    assert columnar["final_train_loss"] == criteo["final_train_loss"]
+    assert columnar["tables"] == criteo["tables"]
+
+
 def test_a_bad_flag_exits_with_one_line() -> None:
     # The whole process as a user runs it: no import-time warning before the one line.
     proc = run_demo("--world-size", "2", "--steps", "0", timeout_s=120)
@@ -169,6 +191,7 @@ def demo_main() -> Any:
     [
         (["--data", "criteo", "--data-path", "does/not/exist.tsv"], "does/not/exist.tsv"),
         (["--data", "criteo", "--data-path", "does/not/exist.tsv", "--no-history"], "--no-history"),
+        (["--data", "columnar", "--data-path", "does/not/exist"], "does/not/exist"),
         (["--cache-load-factor", "1.5"], "--cache-load-factor"),
     ],
 )

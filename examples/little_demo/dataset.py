@@ -15,6 +15,8 @@ Step 2 (the dataset) is an ``IterableDataset`` of batches:
   sample seed, from the same hidden teacher.
 * ``criteo``: ``CriteoDataset`` over Criteo TSV files (plain or ``.gz``): 13 dense features,
   26 categorical features ``cat_0`` .. ``cat_25``.
+* ``columnar``: ``ColumnarDataset`` over a folder converted by ``python -m recsdk.data.convert
+  criteo IN... OUT`` (memory-mapped Arrow files; the same batches as ``criteo`` over the inputs).
 * ``parquet``: ``ParquetRecDataset``: a ``label`` column, float columns as dense features,
   integer, string and list columns as sparse features (a list column is multi-hot).
 
@@ -42,13 +44,14 @@ from recsdk.data import (
     CRITEO_DENSE_COLUMNS,
     CRITEO_SPARSE_FEATURES,
     Batch,
+    ColumnarDataset,
     CriteoDataset,
     ParquetRecDataset,
     RandomRecDataset,
     mix64,
 )
 
-DATA_KINDS = ("random", "criteo", "parquet")
+DATA_KINDS = ("random", "criteo", "columnar", "parquet")
 
 # The synthetic task (--data random). Pooled features, one table each: the user (one id per
 # sample) and two context features drawn by RandomRecDataset (mean ids per sample).
@@ -325,11 +328,18 @@ def data_files(kind: str, path: str | None) -> list[Path]:
         raise ValueError(f"--data must be one of {', '.join(DATA_KINDS)}, got {kind!r}")
     if kind == "random":
         if path is not None:
-            raise ValueError("--data-path is only read with --data criteo or parquet")
+            raise ValueError("--data-path is only read with --data criteo, columnar or parquet")
         return []
     if path is None:
-        raise ValueError(f"--data {kind} needs --data-path (a file or a folder of files)")
+        what = "a converted dataset folder" if kind == "columnar" else "a file or a folder of files"
+        raise ValueError(f"--data {kind} needs --data-path ({what})")
     root = Path(path)
+    if kind == "columnar":
+        try:
+            ColumnarDataset(root, 1)  # checks the manifest and every part file
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"--data-path {path}: {e}") from None
+        return [root]
     if root.is_dir():
         suffixes = _CRITEO_SUFFIXES if kind == "criteo" else (".parquet",)
         files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in suffixes)
@@ -441,6 +451,11 @@ def make_data(
         train, held_out = _hold_out(criteo, num_workers, eval_batches)
         features = [Feature(name, multi_hot=False) for name in CRITEO_SPARSE_FEATURES]
         return DemoData(features, len(CRITEO_DENSE_COLUMNS), train, held_out)
+    if kind == "columnar":
+        columnar = ColumnarDataset(files[0], batch_size, rank=rank, world_size=world_size, drop_last=True)
+        train, held_out = _hold_out(columnar, num_workers, eval_batches)
+        features = [Feature(name, multi_hot=False) for name in columnar.features]
+        return DemoData(features, len(columnar.dense_columns), train, held_out)
     features, dense = parquet_features(files)
     parquet = ParquetRecDataset(
         files,

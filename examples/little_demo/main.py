@@ -6,6 +6,8 @@ live in ``dataset.py``, the model of step 4 in ``model.py``)::
     python examples/little_demo/main.py --world-size 2               # spawns 2 local ranks
     torchrun --nproc_per_node=2 examples/little_demo/main.py         # the same under torchrun
     python examples/little_demo/main.py --world-size 2 --data criteo --data-path day_0.tsv.gz
+    python -m recsdk.data.convert criteo day_0.tsv.gz day_0_columnar    # once; then:
+    python examples/little_demo/main.py --world-size 2 --data columnar --data-path day_0_columnar
     python examples/little_demo/main.py --world-size 2 --no-history  # the same model without the history
 
 Rank 0 shows a progress bar, evaluates the AUC on held-out batches every ``--eval-every``
@@ -104,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=_int_at_least(0), default=100, help="steps between evals (0: at the end)")
     parser.add_argument("--eval-batches", type=_int_at_least(1), default=8, help="held-out batches per rank")
     parser.add_argument("--data", choices=DATA_KINDS, default="random", help="the dataset")
-    parser.add_argument("--data-path", default=None, help="a file or folder, for --data criteo and parquet")
+    parser.add_argument("--data-path", default=None, help="a file or folder; columnar: the converted folder")
     parser.add_argument(
         "--no-history", action="store_true", help="random data: leave out the history feature and its attention"
     )

@@ -204,8 +204,8 @@ class ColumnarDataset(IterableDataset[Batch]):
     def _make_batch(self, pieces: list[tuple[_Segment, int, int]]) -> Batch:
         """One copy of each array: the ids feature-major across the pieces, lengths ``[F, B]``.
 
-        Each piece's stored offsets of its rows, ``[F, rows + 1]``, give the ids' ranges, the
-        lengths (their differences) and the KJT's offsets (shifted to the batch's layout).
+        Each piece's stored offsets of its rows, ``[F, rows + 1]``, give the ids' ranges and the
+        lengths (their differences). The KJT's offsets are left to it (computed when asked).
         """
         num_features = len(self.features)
         bounds = [
@@ -225,26 +225,17 @@ class ColumnarDataset(IterableDataset[Batch]):
             per_key += np.subtract(last, first)
         offset_per_key = np.zeros(num_features + 1, dtype=np.int64)
         np.cumsum(per_key, out=offset_per_key[1:])
+        lengths = np.concatenate([bound[:, 1:] - bound[:, :-1] for bound in bounds], axis=1)  # [F, B]
         if len(pieces) == 1:
-            bound = bounds[0]
-            lengths = bound[:, 1:] - bound[:, :-1]  # [F, B]
-            # The KJT's offsets: each feature's stored offsets moved to where its ids start in `values`.
-            shift = (offset_per_key[:-1] - bound[:, 0]).astype(np.int32)
-            offsets = np.empty(lengths.size + 1, dtype=np.int32)
-            np.add(bound[:, :-1], shift[:, None], out=offsets[:-1].reshape(lengths.shape))
-            offsets[-1] = offset_per_key[-1]
             s, a, b = pieces[0]
             dense, labels = s.dense[a:b].copy(), s.labels[a:b].copy()
-        else:  # a batch across record batches: the KJT computes its offsets when asked
-            lengths = np.concatenate([bound[:, 1:] - bound[:, :-1] for bound in bounds], axis=1)
-            offsets = None
+        else:
             dense = np.concatenate([s.dense[a:b] for s, a, b in pieces])
             labels = np.concatenate([s.labels[a:b] for s, a, b in pieces])
         kjt = KeyedJaggedTensor(
             keys=self.features,
             values=torch.from_numpy(values),
             lengths=torch.from_numpy(lengths.reshape(-1)),
-            offsets=None if offsets is None else torch.from_numpy(offsets),
             stride=lengths.shape[1],
             length_per_key=per_key.tolist(),
             offset_per_key=offset_per_key.tolist(),
