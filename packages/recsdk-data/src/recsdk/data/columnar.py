@@ -204,28 +204,26 @@ class ColumnarDataset(IterableDataset[Batch]):
     def _make_batch(self, pieces: list[tuple[_Segment, int, int]]) -> Batch:
         """One copy of each array: the ids feature-major across the pieces, lengths ``[F, B]``.
 
-        Each piece's stored offsets of its rows, ``[F, rows + 1]``, give the ids' ranges and the
-        lengths (their differences). The KJT's offsets are left to it (computed when asked).
+        A feature's stored offsets of a piece's rows give its ids' range (two reads) and its
+        lengths (their differences, written in place). The KJT's offsets are left to it
+        (computed when asked).
         """
         num_features = len(self.features)
-        bounds = [
-            np.concatenate([o[a : b + 1] for o in s.offsets]).reshape(num_features, b - a + 1) for s, a, b in pieces
-        ]
-        firsts = [bound[:, 0].tolist() for bound in bounds]
-        lasts = [bound[:, -1].tolist() for bound in bounds]
-        values = np.concatenate(
-            [
-                s.ids[j][first[j] : last[j]]
-                for j in range(num_features)
-                for (s, _, _), first, last in zip(pieces, firsts, lasts, strict=True)
-            ]
-        )
-        per_key = np.zeros(num_features, dtype=np.int64)
-        for first, last in zip(firsts, lasts, strict=True):
-            per_key += np.subtract(last, first)
-        offset_per_key = np.zeros(num_features + 1, dtype=np.int64)
-        np.cumsum(per_key, out=offset_per_key[1:])
-        lengths = np.concatenate([bound[:, 1:] - bound[:, :-1] for bound in bounds], axis=1)  # [F, B]
+        lengths = np.empty((num_features, sum(b - a for _, a, b in pieces)), dtype=np.int32)
+        column = 0
+        for s, a, b in pieces:
+            for j, o in enumerate(s.offsets):
+                np.subtract(o[a + 1 : b + 1], o[a:b], out=lengths[j, column : column + b - a])
+            column += b - a
+        chunks, length_per_key, offset_per_key = [], [], [0]
+        for j in range(num_features):
+            count = 0
+            for s, a, b in pieces:
+                first, last = int(s.offsets[j][a]), int(s.offsets[j][b])
+                chunks.append(s.ids[j][first:last])
+                count += last - first
+            length_per_key.append(count)
+            offset_per_key.append(offset_per_key[-1] + count)
         if len(pieces) == 1:
             s, a, b = pieces[0]
             dense, labels = s.dense[a:b].copy(), s.labels[a:b].copy()
@@ -234,11 +232,11 @@ class ColumnarDataset(IterableDataset[Batch]):
             labels = np.concatenate([s.labels[a:b] for s, a, b in pieces])
         kjt = KeyedJaggedTensor(
             keys=self.features,
-            values=torch.from_numpy(values),
+            values=torch.from_numpy(np.concatenate(chunks)),
             lengths=torch.from_numpy(lengths.reshape(-1)),
             stride=lengths.shape[1],
-            length_per_key=per_key.tolist(),
-            offset_per_key=offset_per_key.tolist(),
+            length_per_key=length_per_key,
+            offset_per_key=offset_per_key,
         )
         return Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
 
