@@ -1,4 +1,5 @@
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_damaged_or_unfinished_datasets_are_refused(dataset: Path, tmp_path: Pat
 def test_bad_arguments_are_named(dataset: Path, kwargs: dict[str, object], error: type, pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         ColumnarDataset(dataset, **kwargs)  # type: ignore[arg-type]
+
+
+def test_pickled_reader_reopens_its_files_and_keeps_its_position(dataset: Path) -> None:
+    reader = ColumnarDataset(dataset, 100, rank=1, world_size=2, shuffle=True, seed=5)
+    reader.set_epoch(3)
+    whole = list(reader)
+    it = iter(reader)
+    next(it)
+    copy = pickle.loads(pickle.dumps(reader))
+    assert copy.state_dict() == reader.state_dict()
+    assert_same_batches(list(copy), whole[1:])
+    # A DataLoader whose workers start by spawn pickles the reader too.
+    spawned = DataLoader(ColumnarDataset(dataset, 500), batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    assert_same_batches(list(spawned), list(ColumnarDataset(dataset, 500)))

@@ -147,6 +147,21 @@ class ColumnarDataset(IterableDataset[Batch]):
         self._resume_at = 0  # batches of this shard's order to skip on the next iteration
         self._read = 0  # batches yielded (or skipped on resume) in the current epoch
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickle (a DataLoader worker started by spawn) holds the arguments and the position, not the mappings.
+
+        The copy opens the files again and continues where :meth:`state_dict` says this reader is.
+        """
+        args = {"path": self.path, "batch_size": self.batch_size, "rank": self.rank, "world_size": self.world_size}
+        args |= {"shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+        return {"args": args, "epoch": self.epoch, "batches_read": self._read}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        args = dict(state["args"])
+        self.__init__(args.pop("path"), args.pop("batch_size"), **args)  # type: ignore[misc]
+        self.epoch, self._resume_at = state["epoch"], state["batches_read"]
+        self._read = self._resume_at
+
     def set_epoch(self, epoch: int) -> None:
         """Use a different batch order for ``epoch`` (no effect without ``shuffle``).
 
