@@ -3,7 +3,8 @@
 recsdk pins TorchRec exactly (``requirements/constraints.txt``); these are the places that read
 or write what TorchRec does not publish. A TorchRec upgrade touches this file, and
 ``kjt_all_to_all.py``, whose awaitables subclass TorchRec's KJT all-to-all awaitables and use
-their fields (the splits, recat and strides TorchRec's shardings read off them).
+their fields (the splits, recat and strides TorchRec's shardings read off them; the recat is
+computed here, :func:`output_recat`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torchrec.distributed.dist_data import _get_recat
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
@@ -24,6 +26,7 @@ __all__ = [
     "local_shards",
     "num_features",
     "optimizers_of",
+    "output_recat",
     "quantized_comms",
     "queue_backward_callback",
     "replace_fused_optimizer",
@@ -106,6 +109,24 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     tensor hook during backward.
     """
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def output_recat(
+    local_split: int, num_splits: int, stagger: int, device: torch.device, batch_size_per_rank: list[int] | None
+) -> torch.Tensor | None:
+    """The permutation TorchRec's KJT all-to-all applies to a received KJT (rank-major to feature-major).
+
+    TorchRec computes it in the private ``torchrec.distributed.dist_data._get_recat`` and keeps it
+    on its tensors awaitable (``_recat``), where its shardings read it; ``FusedKJTAllToAll``
+    builds that awaitable itself, so it needs the same permutation, computed the same way.
+    """
+    return _get_recat(
+        local_split=local_split,
+        num_splits=num_splits,
+        stagger=stagger,
+        device=device,
+        batch_size_per_rank=batch_size_per_rank,
+    )
 
 
 # ---- checkpoint and export

@@ -42,10 +42,11 @@ from torchrec.distributed.dist_data import (
     KJTAllToAll,
     KJTAllToAllSplitsAwaitable,
     KJTAllToAllTensorsAwaitable,
-    _get_recat,
 )
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.sharding._torchrec_compat import output_recat
 
 __all__ = ["FusedKJTAllToAll", "batch_flag"]
 
@@ -372,7 +373,7 @@ class _FusedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
         exchange.read_header()
         if exchange.batch_flag is not None:
             exchange.batch_flag.received(exchange.any_failed)
-        recat = _get_recat(
+        recat = output_recat(
             local_split=receiver.splits[self._pg.rank()],
             num_splits=len(receiver.splits),
             stagger=receiver.stagger,
