@@ -328,6 +328,8 @@ def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[s
         except BaseException:
             pool.terminate()
             raise
+    while bar is not None and not queue.empty():
+        bar.update(queue.get())
     return results
 
 
