@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from recsdk.data import CRITEO_SPARSE_FEATURES, Batch, CriteoDataset, write_synthetic_criteo
-from recsdk.data.criteo_tsv import parse_hex_ids
+from recsdk.data.criteo_fields import parse_hex_ids
 from recsdk.data.testing import run_distributed
 
 

@@ -4,8 +4,8 @@ from recsdk.data.batch import Batch
 from recsdk.data.columnar import ColumnarDataset
 from recsdk.data.criteo import CriteoDataset
 from recsdk.data.criteo_convert import convert_criteo
+from recsdk.data.criteo_fields import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
 from recsdk.data.criteo_synthetic import write_synthetic_criteo
-from recsdk.data.criteo_tsv import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
 from recsdk.data.device import (
     DEVICE_TYPES,
     backend_for,

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from recsdk.data.criteo_convert import convert_criteo
-from recsdk.data.criteo_tsv import ON_BAD_LINE
+from recsdk.data.criteo_fields import ON_BAD_LINE
 
 __all__ = ["main"]
 

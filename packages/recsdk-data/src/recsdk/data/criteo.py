@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -10,7 +11,8 @@ from torch.utils.data import IterableDataset
 
 from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
 from recsdk.data.batch import Batch
-from recsdk.data.criteo_tsv import ON_BAD_LINE, BadLines, CriteoRows, read_criteo_tsv
+from recsdk.data.criteo_fields import ON_BAD_LINE, CriteoRows
+from recsdk.data.criteo_tsv import BadLines, read_criteo_tsv
 from recsdk.data.partition import check_rank_and_world_size, current_shard
 
 __all__ = ["CriteoDataset"]
@@ -19,16 +21,18 @@ __all__ = ["CriteoDataset"]
 class _RowPool:
     """Rows waiting to be batched: in order, or drawn at random from a buffer of ``shuffle_buffer`` rows or more.
 
-    Held rows sit at ``[start, start + size)`` of preallocated arrays, so adding a block writes
-    only its own rows; when the arrays run out of room, the held rows move to new arrays of at
-    least twice the rows needed. In order, :meth:`pop` returns views and moves ``start`` on (popped
-    rows are never written again). Shuffled, ``start`` stays 0 and :meth:`pop` returns copies.
+    In order, the added blocks are held as they are (from row ``start`` of the first) and
+    :meth:`pop` returns views of them; only rows that span two blocks are copied. Shuffled, held
+    rows sit at ``[0, size)`` of preallocated arrays, so adding a block writes only its own rows;
+    when the arrays run out of room, the held rows move to new arrays of at least twice the rows
+    needed, and :meth:`pop` returns copies.
     """
 
     def __init__(self, shuffle_buffer: int, rng: np.random.Generator | None) -> None:
         self._shuffle_buffer = shuffle_buffer
         self._rng = rng
         self._buffer: CriteoRows | None = None
+        self._blocks: deque[CriteoRows] = deque()  # in order
         self._start = 0
         self._size = 0
 
@@ -39,6 +43,10 @@ class _RowPool:
         """Append ``rows`` after the held rows."""
         n = len(rows)
         if n == 0:
+            return
+        if self._rng is None:
+            self._blocks.append(rows)
+            self._size += n
             return
         if self._buffer is None or self._start + self._size + n > len(self._buffer):
             self._reallocate(rows, n)
@@ -68,12 +76,10 @@ class _RowPool:
 
     def pop(self, k: int) -> CriteoRows:
         """Take ``k`` rows: the first ``k`` in order, or ``k`` drawn at random."""
-        assert self._buffer is not None and 0 < k <= self._size
+        assert 0 < k <= self._size
         if self._rng is None:
-            out = self._buffer.take(slice(self._start, self._start + k))
-            self._start += k
-            self._size -= k
-            return out
+            return self._pop_in_order(k)
+        assert self._buffer is not None
         size = self._size
         chosen = self._rng.choice(size, size=k, replace=False)
         out = self._buffer.take(chosen)
@@ -87,13 +93,32 @@ class _RowPool:
         self._size -= k
         return out
 
+    def _pop_in_order(self, k: int) -> CriteoRows:
+        """The first ``k`` held rows: a view of the first block, or a copy where they span blocks."""
+        pieces = []
+        self._size -= k
+        while k:
+            block = self._blocks[0]
+            m = min(k, len(block) - self._start)
+            pieces.append(block.take(slice(self._start, self._start + m)))
+            self._start += m
+            k -= m
+            if self._start == len(block):
+                self._blocks.popleft()
+                self._start = 0
+        if len(pieces) == 1:
+            return pieces[0]
+        return CriteoRows(*(np.concatenate(arrays) for arrays in zip(*(p.arrays() for p in pieces), strict=True)))
+
     def drain(self) -> CriteoRows | None:
         """All held rows (in a random order when shuffling), emptying the pool; ``None`` if empty."""
-        if self._buffer is None or self._size == 0:
+        if self._size == 0:
             return None
+        if self._rng is None:
+            return self._pop_in_order(self._size)
+        assert self._buffer is not None
         rows = self._buffer.take(slice(self._start, self._start + self._size))
-        if self._rng is not None:
-            rows = rows.take(self._rng.permutation(self._size))
+        rows = rows.take(self._rng.permutation(self._size))
         self._buffer, self._start, self._size = None, 0, 0
         return rows
 

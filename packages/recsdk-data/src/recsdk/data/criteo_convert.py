@@ -36,14 +36,8 @@ import pyarrow as pa
 from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
 from recsdk.data.columnar_format import FORMAT, FORMAT_VERSION, MANIFEST, columnar_schema, read_manifest, record_batch
 from recsdk.data.columnar_format import write_json_atomically as _write_json
-from recsdk.data.criteo_tsv import (
-    CRITEO_DENSE_COLUMNS,
-    CRITEO_SPARSE_FEATURES,
-    ON_BAD_LINE,
-    BadLines,
-    CriteoRows,
-    read_criteo_tsv,
-)
+from recsdk.data.criteo_fields import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES, ON_BAD_LINE, CriteoRows
+from recsdk.data.criteo_tsv import BadLines, read_criteo_tsv
 
 __all__ = ["convert_criteo"]
 

@@ -12,7 +12,7 @@ import pyarrow.csv as pa_csv
 
 from recsdk.data._checks import check_int
 from recsdk.data._synthetic import hash_gaussian, power_law_indices, scrambled_ids, seed_words
-from recsdk.data.criteo_tsv import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
+from recsdk.data.criteo_fields import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES
 
 __all__ = ["write_synthetic_criteo"]
 

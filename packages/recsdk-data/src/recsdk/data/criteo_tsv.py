@@ -3,211 +3,34 @@
 Shared by :class:`~recsdk.data.CriteoDataset` (which batches the rows) and the columnar
 converter (:mod:`recsdk.data.convert`, which writes them to Arrow files): both parse a line
 the same way and name a bad line by its file and line number.
+
+The source is cut into blocks at line ends where pyarrow's streaming reader cuts them
+(:mod:`recsdk.data.criteo_blocks`). A block is first parsed typed: label and integers as int64,
+ids as 8 bytes (or strings, for a file whose ids are not all 8 digits), then a few whole-block
+numpy passes; that is kept only where it read every field exactly as the per-value rules do
+(:mod:`recsdk.data.criteo_typed`). Any other block (a bad field, a wrong field count, a leading
+zero) is parsed again with every column as strings and each value checked alone
+(:func:`recsdk.data.criteo_fields.parse_table`), which also names the bad lines. This module
+walks the blocks: line numbers, shards, and what becomes of bad lines.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.csv as pa_csv
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data.batch import Batch
+from recsdk.data.criteo_blocks import blocks as source_blocks
+from recsdk.data.criteo_fields import CriteoRows, describe_bad_row, parse_table
+from recsdk.data.criteo_typed import BlockParser
 
-__all__ = [
-    "CRITEO_DENSE_COLUMNS",
-    "CRITEO_SPARSE_FEATURES",
-    "ON_BAD_LINE",
-    "BadLines",
-    "CriteoRows",
-    "parse_hex_ids",
-    "read_criteo_tsv",
-]
+__all__ = ["BadLines", "read_criteo_tsv"]
 
-CRITEO_DENSE_COLUMNS = [f"int_{i}" for i in range(13)]
-CRITEO_SPARSE_FEATURES = [f"cat_{i}" for i in range(26)]
-_COLUMNS = ["label", *CRITEO_DENSE_COLUMNS, *CRITEO_SPARSE_FEATURES]
-ON_BAD_LINE = ("error", "skip")
-# A dense value is an optional '-' and 1 to 19 decimal digits that fit int64 (checked by _fits_int64).
-_INT_RE = r"^-?[0-9]{1,19}$"
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_U = np.uint64
-
-
-@dataclass
-class CriteoRows:
-    """Parsed Criteo rows: labels ``[n]``, dense ``[n, 13]``, ids and presence ``[n, 26]``."""
-
-    labels: npt.NDArray[np.float32]
-    dense: npt.NDArray[np.float32]
-    ids: npt.NDArray[np.int64]
-    present: npt.NDArray[np.bool_]
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def arrays(self) -> tuple[npt.NDArray[Any], ...]:
-        """The four arrays, in field order."""
-        return (self.labels, self.dense, self.ids, self.present)
-
-    def take(self, index: npt.NDArray[np.int64] | slice) -> CriteoRows:
-        return CriteoRows(self.labels[index], self.dense[index], self.ids[index], self.present[index])
-
-    def empty(self, n: int) -> CriteoRows:
-        """``n`` uninitialised rows with these rows' dtypes and widths."""
-        return CriteoRows(*(np.empty((n, *a.shape[1:]), dtype=a.dtype) for a in self.arrays()))
-
-    def to_batch(self) -> Batch:
-        present_t = self.present.T
-        kjt = KeyedJaggedTensor(
-            keys=list(CRITEO_SPARSE_FEATURES),
-            values=torch.from_numpy(np.ascontiguousarray(self.ids.T[present_t])),
-            lengths=torch.from_numpy(present_t.reshape(-1).astype(np.int32)),
-            stride=len(self),
-        )
-        return Batch(
-            dense_features=torch.from_numpy(np.ascontiguousarray(self.dense)),
-            sparse_features=kjt,
-            labels=torch.from_numpy(np.ascontiguousarray(self.labels)),
-        )
-
-
-def _hex_lanes_to_uint32(lanes: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """Values of 8 valid hex characters per little-endian uint64 lane (first character most significant)."""
-    # Nibble of each byte: '0'-'9' -> c & 0xF; 'a'-'f' / 'A'-'F' (bit 6 set) -> (c & 0xF) + 9.
-    x = (lanes & _U(0x0F0F0F0F0F0F0F0F)) + ((lanes >> _U(6)) & _U(0x0101010101010101)) * _U(9)
-    # Gather the 8 nibbles into one 32-bit number, most significant first.
-    x = ((x & _U(0x000F000F000F000F)) << _U(4)) | ((x >> _U(8)) & _U(0x000F000F000F000F))
-    x = ((x & _U(0x000000FF000000FF)) << _U(8)) | ((x >> _U(16)) & _U(0x000000FF000000FF))
-    return ((x & _U(0xFFFF)) << _U(16)) | ((x >> _U(32)) & _U(0xFFFF))
-
-
-def parse_hex_ids(column: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
-    """Parse a string column of hex ids, vectorised.
-
-    Each value of 1 to 16 hex digits (either case) is read as an unsigned 64-bit number
-    and reinterpreted as a signed int64 (``"ffffffffffffffff"`` is -1).
-
-    Args:
-        column (pa.Array): strings; nulls and empty strings are missing values.
-
-    Returns:
-        tuple: ``(ids, present, bad)``, each of shape ``[n]``: the int64 ids (0 where
-        missing or bad), whether a valid value is present, whether the value is not
-        valid hex.
-    """
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
-    if not pa.types.is_string(column.type):
-        raise TypeError(f"parse_hex_ids expects a string column, got Arrow type {column.type}")
-    n = len(column)
-    ids = np.zeros(n, dtype=np.uint64)
-    if n == 0:
-        return ids.view(np.int64), np.zeros(0, dtype=np.bool_), np.zeros(0, dtype=np.bool_)
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=column.offset + n + 1)[column.offset :]
-    data_buf = column.buffers()[2]
-    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
-    raw_lengths = np.diff(offsets)
-    lengths = (
-        raw_lengths
-        if column.null_count == 0
-        else np.where(column.is_valid().to_numpy(zero_copy_only=False), raw_lengths, 0)
-    )
-    present = lengths > 0
-    bad = lengths > 16
-    rows = np.flatnonzero(present & ~bad)
-    m = rows.size
-    if m == 0:
-        return ids.view(np.int64), present & ~bad, bad
-    width = 8 if int(lengths[rows].max()) <= 8 else 16
-    if width == 8 and int(raw_lengths.sum()) == 8 * m and bool((lengths[rows] == 8).all()):
-        # Every value has 8 digits and nothing else is stored (Criteo Kaggle): a plain reshape.
-        chars = data[offsets[0] : offsets[-1]].reshape(m, 8)
-    else:
-        # The `width` bytes ending at each value's end; bytes before its start become '0'.
-        ends = offsets[1:][rows].astype(np.int64)
-        window = ends[:, None] + np.arange(-width, 0, dtype=np.int64)
-        chars = data[np.maximum(window, 0)]
-        chars[window < (ends - lengths[rows])[:, None]] = ord("0")
-    ok = ((chars - np.uint8(48)) < 10) | (((chars | np.uint8(32)) - np.uint8(97)) < 6)
-    if not ok.all():
-        row_bad = ~ok.all(axis=1)
-        bad[rows[row_bad]] = True
-        chars = np.where(row_bad[:, None], np.uint8(48), chars)
-    lanes = np.ascontiguousarray(chars).view("<u8")
-    halves = _hex_lanes_to_uint32(lanes)
-    ids[rows] = halves[:, 0] if width == 8 else (halves[:, 0] << _U(32)) | halves[:, 1]
-    return ids.view(np.int64), present & ~bad, bad
-
-
-def _fits_int64(text: str) -> bool:
-    return _INT64_MIN <= int(text) <= _INT64_MAX
-
-
-def _only_short_decimals(column: pa.Array) -> bool:
-    """True when every stored byte is a digit or '-' and no value is longer than 19 bytes.
-
-    For such a column, a successful int64 cast means every value matches ``_INT_RE`` and fits int64.
-    """
-    n = len(column)
-    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=column.offset + n + 1)[column.offset :]
-    if n and int(np.diff(offsets).max()) > 19:
-        return False
-    data_buf = column.buffers()[2]
-    if data_buf is None:
-        return True
-    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0] : offsets[-1]]
-    return bool((((data - np.uint8(48)) < 10) | (data == ord("-"))).all())
-
-
-def _parse_ints(column: pa.Array) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """Decimal integers of a string column: ``(values with nulls as 0, bad)``.
-
-    A value is valid when it matches ``_INT_RE`` and fits int64, whatever else is in the column:
-    the fast path (one cast) is taken only where it decides exactly as the per-value check.
-    """
-    if _only_short_decimals(column):
-        try:
-            values = pc.cast(column, pa.int64())
-            bad = np.zeros(len(column), dtype=np.bool_)
-            return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), bad
-        except pa.ArrowInvalid:
-            pass
-    ok = np.array(pc.fill_null(pc.match_substring_regex(column, _INT_RE), True).to_numpy(zero_copy_only=False))
-    lengths = pc.fill_null(pc.binary_length(column), 0).to_numpy(zero_copy_only=False)
-    for i in np.flatnonzero(ok & (lengths >= 19)):  # only these can overflow int64
-        ok[i] = _fits_int64(column[int(i)].as_py())
-    values = pc.cast(pc.if_else(pa.array(ok), column, pa.scalar(None, pa.string())), pa.int64())
-    return pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), ~ok
-
-
-def _parse_table(table: pa.RecordBatch) -> tuple[CriteoRows, npt.NDArray[np.bool_]]:
-    """Convert string columns to rows; ``bad`` marks rows with a bad field (those rows hold zeros)."""
-    n = table.num_rows
-    label = table.column("label")
-    ones = pc.fill_null(pc.equal(label, "1"), False).to_numpy(zero_copy_only=False)
-    zeros = pc.fill_null(pc.equal(label, "0"), False).to_numpy(zero_copy_only=False)
-    bad = ~(ones | zeros)
-    raw = np.empty((n, len(CRITEO_DENSE_COLUMNS)), dtype=np.int64)
-    for j, name in enumerate(CRITEO_DENSE_COLUMNS):
-        raw[:, j], col_bad = _parse_ints(table.column(name))
-        bad |= col_bad
-    dense = np.log1p(np.maximum(raw, 0).astype(np.float64)).astype(np.float32)
-    ids = np.empty((n, len(CRITEO_SPARSE_FEATURES)), dtype=np.int64)
-    present = np.empty((n, len(CRITEO_SPARSE_FEATURES)), dtype=np.bool_)
-    for j, name in enumerate(CRITEO_SPARSE_FEATURES):
-        ids[:, j], present[:, j], col_bad = parse_hex_ids(table.column(name))
-        bad |= col_bad
-    return CriteoRows(ones.astype(np.float32), dense, ids, present), bad
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark, which pyarrow drops at the start of its input
 
 
 class BadLines:
@@ -234,32 +57,10 @@ class BadLines:
             return
         line, why = bad[0]
         if not why and table is not None:  # a field value: find which one
-            why = _describe_bad_row(table, int(np.flatnonzero(lines == line)[0]))
+            why = describe_bad_row(table, int(np.flatnonzero(lines == line)[0]))
         if self._line_base is not None:
             line += self._line_base() - 1
         raise ValueError(f"{path}:{line}: bad Criteo line ({why}); pass on_bad_line='skip' to skip such lines")
-
-
-def _open_tsv(source: Path | pa.NativeFile, block_size: int, on_invalid: Callable[[Any], str]) -> Any:
-    return pa_csv.open_csv(
-        source,
-        read_options=pa_csv.ReadOptions(column_names=_COLUMNS, block_size=block_size, use_threads=False),
-        parse_options=pa_csv.ParseOptions(
-            delimiter="\t",
-            quote_char=False,
-            double_quote=False,
-            escape_char=False,
-            newlines_in_values=False,
-            ignore_empty_lines=False,
-            invalid_row_handler=on_invalid,
-        ),
-        convert_options=pa_csv.ConvertOptions(
-            column_types=dict.fromkeys(_COLUMNS, pa.string()),
-            null_values=[""],
-            strings_can_be_null=True,
-            quoted_strings_can_be_null=False,
-        ),
-    )
 
 
 def read_criteo_tsv(
@@ -276,13 +77,13 @@ def read_criteo_tsv(
     """One shard's valid rows of a TSV source, block by block.
 
     Line ``L`` of the source (1-based) belongs to shard ``(L + line_offset - 1) % num_shards``;
-    every line is parsed into fields, only the shard's own are converted and checked.
+    every line is parsed into fields, only the shard's own are checked.
 
     Args:
-        source (Path | pa.NativeFile): a file path (plain or ``.gz``) or an open stream.
+        source (Path | pa.NativeFile): a file path (plain or compressed, e.g. ``.gz``) or an open stream.
         path (Path): the file named in errors.
         bad_lines (BadLines): raises for or counts the shard's bad lines.
-        block_size (int): bytes parsed at a time.
+        block_size (int): bytes parsed at a time (a line may not be longer).
         shard (int): this reader's shard.
         num_shards (int): shards the lines are dealt to.
         line_offset (int): lines before this source (of earlier files).
@@ -292,66 +93,53 @@ def read_criteo_tsv(
     Yields:
         CriteoRows: the valid rows of each block that belong to the shard, in line order.
     """
-    skipped: list[tuple[int, str]] = []  # (line, reason) of lines with a wrong field count
-
-    def on_invalid(row: pa_csv.InvalidRow) -> str:
-        if row.number is None:  # only with a threaded reader, which is not used here
-            raise RuntimeError(f"{path}: pyarrow did not report the line number of a bad line")
-        skipped.append((row.number, f"{row.actual_columns} fields, expected {row.expected_columns}"))
-        return "skip"
-
-    try:
-        reader = _open_tsv(source, block_size, on_invalid)
-    except pa.ArrowInvalid as e:
-        if "Empty CSV file" not in str(e):
-            raise
-        if progress is not None:
-            progress["lines"] = 0
-        return  # an empty file has no lines
-    except OSError as e:  # opening reads the first block: a truncated .gz can fail here
-        raise _read_error(path, 0, e) from e
-
+    parser = BlockParser()
     next_line = 1  # first line of the next block
-    done = 0  # entries of `skipped` already handled
-    with reader:
+    with contextlib.closing(source_blocks(source, path, block_size)) as blocks:
         while True:
             try:
-                record_batch = reader.read_next_batch()
-            except StopIteration:
-                break
-            except OSError as e:  # e.g. pyarrow's bare "Truncated compressed stream"
+                block = next(blocks, None)
+            except OSError as e:  # e.g. pyarrow's bare "Truncated compressed stream", or a missing file
                 raise _read_error(path, next_line - 1, e) from e
-            n = record_batch.num_rows
-            pending = sorted(skipped[done:])
-            skip_lines = np.array([s for s, _ in pending], dtype=np.int64)
+            if block is None:
+                break
+            data, start, end = block
+            # A byte-order mark is dropped at the start of the source only: on a later block's first line
+            # it is part of the label (a bad line), though pyarrow would drop it there too.
+            marked = next_line > 1 and bytes(data[start : start + 3]) == _BOM
+            rows = None if marked else parser.typed(block)
+            if rows is not None:  # every line good
+                lines = np.arange(next_line, next_line + len(rows), dtype=np.int64)
+                next_line += len(rows)
+                if num_shards > 1:
+                    rows = rows.take(np.flatnonzero((lines + line_offset - 1) % num_shards == shard))
+                yield rows
+                continue
+            table = parser.strings(block)
+            n = table.num_rows
+            skips = sorted((next_line + line - 1, why) for line, why in parser.invalid)
+            before = np.array([s for s, _ in skips], dtype=np.int64) - next_line - np.arange(len(skips))
             r = np.arange(n, dtype=np.int64)
-            # Good rows before each skipped line, then each row's line number.
-            before = skip_lines - next_line - np.arange(skip_lines.size)
-            lines = next_line + r + np.searchsorted(before, r, side="right")
-            last_line = int(lines[-1]) if n else next_line - 1
-            block_skips = [(s, why) for s, why in pending if n == 0 or s <= last_line]
-            done += len(block_skips)
-            if block_skips:
-                last_line = max(last_line, block_skips[-1][0])
-            table = record_batch
+            lines = next_line + r + np.searchsorted(before, r, side="right")  # each row's line
+            forced = {}  # line -> why, for a first line read without its mark
+            if marked and (not skips or skips[0][0] != next_line):
+                label = table.column("label")[0].as_py() or ""
+                alone = start + 3 == end or data[start + 3] in b"\r\n"  # the mark is the whole line
+                forced[next_line] = (
+                    "1 fields, expected 40" if alone else f"label {_BOM.decode() + label!r} is not 0 or 1"
+                )
+            next_line += n + len(skips)
             if num_shards > 1:
                 mine = ((lines + line_offset - 1) % num_shards) == shard
                 table = table.take(pa.array(np.flatnonzero(mine)))
                 lines = lines[mine]
-            rows, bad = _parse_table(table)
-            # Bad lines of this shard, in file order.
-            bad_here = [(int(line), "") for line in lines[bad]]
-            bad_here += [(s, why) for s, why in block_skips if (s + line_offset - 1) % num_shards == shard]
+                skips = [(s, why) for s, why in skips if (s + line_offset - 1) % num_shards == shard]
+            rows, bad = parse_table(table)
+            bad |= np.isin(lines, list(forced))
+            bad_here = sorted([(int(line), forced.get(int(line), "")) for line in lines[bad]] + skips)  # this shard's
             if bad_here:
-                bad_lines.handle(path, sorted(bad_here), table, lines)
-            next_line = last_line + 1
+                bad_lines.handle(path, bad_here, table, lines)
             yield rows.take(np.flatnonzero(~bad)) if bad.any() else rows
-    tail = sorted(skipped[done:])  # bad lines after the last good row
-    mine_tail = [(s, why) for s, why in tail if (s + line_offset - 1) % num_shards == shard]
-    if mine_tail:
-        bad_lines.handle(path, mine_tail, table=None, lines=np.zeros(0, dtype=np.int64))
-    if tail:
-        next_line = max(next_line, tail[-1][0] + 1)
     if progress is not None:
         progress["lines"] = next_line - 1
 
@@ -364,19 +152,3 @@ def _read_error(path: Path, lines_read: int, error: OSError) -> OSError:
     """
     message = f"{path}: {error} after {lines_read:,} rows (lines) of it were read; the file is cut short or corrupt"
     return OSError(error.errno, message) if error.errno is not None else OSError(message)
-
-
-def _describe_bad_row(table: pa.RecordBatch, i: int) -> str:
-    """Which field of row ``i`` is bad, for the error message."""
-    row = {name: table.column(name)[i].as_py() for name in _COLUMNS}
-    if row["label"] not in ("0", "1"):
-        return f"label {row['label']!r} is not 0 or 1"
-    for name in CRITEO_DENSE_COLUMNS:
-        v = row[name]
-        if v is not None and (re.fullmatch(_INT_RE, v) is None or not _fits_int64(v)):
-            return f"{name} {v!r} is not a decimal integer"
-    for name in CRITEO_SPARSE_FEATURES:
-        v = row[name]
-        if v is not None and re.fullmatch(r"[0-9a-fA-F]{1,16}", v) is None:
-            return f"{name} {v!r} is not a hex id of 1 to 16 digits"
-    return "bad field value"
