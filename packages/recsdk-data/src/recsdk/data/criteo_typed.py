@@ -128,7 +128,7 @@ def _ids_typed(batch: pa.RecordBatch) -> tuple[npt.NDArray[np.int64], npt.NDArra
 
 def _rows_typed(batch: pa.RecordBatch, block: Block) -> CriteoRows | None:
     """The rows of a block parsed with int64 columns, or ``None`` unless that read every field as
-    :func:`_parse_table` would.
+    :func:`~recsdk.data.criteo_fields.parse_table` would.
 
     pyarrow's int64 parsing also takes padding, leading zeros (past 19 digits too) and ``0x``
     literals. Each of those makes the field longer than its value written canonically, except a
