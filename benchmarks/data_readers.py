@@ -7,8 +7,9 @@ measurement, every rate in rows/s, each ratio against a baseline timed in the sa
   ``pyarrow.csv`` parse of the same file (the same reader options, label and ints typed as
   int64, hex ids kept as strings: the parse alone) and against a plain Python ``csv`` loop
   building the same tensors (checked equal on a prefix). Interleaved rounds, medians.
-- ``criteo_convert``: ``convert_criteo`` on 1 and on all cores (the file cut in units of
-  ``--chunk-mb``) against TorchRec's ``BinaryCriteoUtils.tsv_to_npys`` of the same file.
+- ``criteo_convert``: ``python -m recsdk.data.convert`` on 1 process and on all cores (the file
+  cut in units of ``--chunk-mb``, process start included) against TorchRec's
+  ``BinaryCriteoUtils.tsv_to_npys`` of the same file.
 - ``columnar_format``: why Arrow IPC: the bytes, and the rows/s of reading every column of the
   converted rows into memory, memory-mapped IPC (every buffer touched) against Parquet with the
   same record batches as row groups (decoded).
@@ -52,7 +53,6 @@ from recsdk.data import (
     Batch,
     ColumnarDataset,
     CriteoDataset,
-    convert_criteo,
     write_synthetic_criteo,
 )
 
@@ -170,15 +170,21 @@ def bench_tsv(path: Path, args: argparse.Namespace) -> dict[str, object]:
 
 
 def bench_convert(path: Path, tmp: Path, args: argparse.Namespace) -> tuple[dict[str, object], Path, Path]:
-    """Both converters; returns the line, recsdk's dataset folder and TorchRec's npy folder."""
-    chunk = args.chunk_mb << 20
+    """Both converters; returns the line, recsdk's dataset folder and TorchRec's npy folder.
+
+    recsdk's converter runs as users run it, ``python -m recsdk.data.convert`` (process start
+    included), on 1 process and on every core.
+    """
     cores = os.cpu_count() or 1
     times = {}
     for workers in (1, cores):
         out = tmp / f"columnar_{workers}"
+        cmd = [sys.executable, "-m", "recsdk.data.convert", "criteo", str(path), str(out), "--quiet"]
+        cmd += ["--workers", str(workers), "--chunk-bytes", str(args.chunk_mb << 20)]
         start = time.perf_counter()
-        manifest = convert_criteo(path, out, workers=workers, chunk_bytes=chunk, progress=False)
+        subprocess.run(cmd, check=True, capture_output=True)
         times[workers] = time.perf_counter() - start
+    manifest = json.loads((tmp / f"columnar_{cores}" / "manifest.json").read_text())
     npy = tmp / "npy"
     npy.mkdir()
     start = time.perf_counter()
@@ -193,6 +199,7 @@ def bench_convert(path: Path, tmp: Path, args: argparse.Namespace) -> tuple[dict
         f"recsdk_rows_per_s_{cores}_processes": round(rows / times[cores]),
         "torchrec_tsv_to_npys_rows_per_s": round(rows / torchrec_s),
         "ratio_1_process_vs_torchrec": round(torchrec_s / times[1], 2),
+        f"ratio_{cores}_processes_vs_torchrec": round(torchrec_s / times[cores], 2),
         "bytes_per_row": round(sum(p["bytes"] for p in manifest["parts"]) / rows, 1),
     }
     return line, tmp / f"columnar_{cores}", npy

@@ -44,6 +44,7 @@ __all__ = ["convert_criteo"]
 _WORK = ".convert"  # the conversion's own bookkeeping inside OUT
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}  # what pyarrow's CSV reader detects
 _SEARCH = 1 << 20  # bytes read at a time when looking for a line end
+_BYTES_PER_PROCESS = 512 << 20  # input per worker process when the caller leaves the count to us
 
 
 def _part_name(unit: int) -> str:
@@ -219,7 +220,8 @@ def convert_criteo(
         out (str | os.PathLike): the dataset folder to write (new, empty, or a conversion
             of the same inputs to resume).
         workers (int | None): processes converting units in parallel (>= 1); ``None``: the
-            CPU count, at most the number of units. ``1`` converts in this process.
+            CPU count, at most the number of units and one per ``_BYTES_PER_PROCESS`` (512 MiB)
+            of input left (a process costs seconds to start). ``1`` converts in this process.
         on_bad_line (str): ``"error"`` (raise ``ValueError`` naming file and line) or
             ``"skip"`` (leave the line out; the manifest counts them).
         rows_per_batch (int): rows per record batch of a part file (>= 1).
@@ -274,7 +276,10 @@ def convert_criteo(
     bar = _progress_bar(progress, sum(unit_bytes), sum(unit_bytes[u] for u in results))
     started = time.perf_counter()
     try:
-        n = min(workers or os.cpu_count() or 1, max(len(todo), 1))
+        if workers is None:
+            left = sum(unit_bytes[u] for u in todo)
+            workers = min(os.cpu_count() or 1, max(1, -(-left // _BYTES_PER_PROCESS)))
+        n = min(workers, max(len(todo), 1))
         args = [(str(root), u, plan["units"][u], plan["sources"][plan["units"][u][0]]["path"], options) for u in todo]
         if n == 1:
             global _REPORT
@@ -305,7 +310,13 @@ def _progress_bar(show: bool, total: int, initial: int) -> Any:
 
 def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[str, int]]:
     """Run the units on ``n`` processes; the first failure stops all of them and is raised."""
-    ctx = mp.get_context("spawn")  # no fork: the parent may hold threads (pyarrow's, torch's)
+    # No fork: the parent may hold threads (pyarrow's, torch's). A fork server starts clean, imports
+    # this module once, and forks the workers from there (spawn would import it in every worker).
+    if "forkserver" in mp.get_all_start_methods():
+        ctx: Any = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+    else:
+        ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     results: dict[int, dict[str, int]] = {}
     with ctx.Pool(n, initializer=_init_worker, initargs=(queue,)) as pool:

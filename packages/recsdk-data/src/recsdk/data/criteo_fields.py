@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.data.batch import Batch
+if TYPE_CHECKING:
+    from recsdk.data.batch import Batch
 
 __all__ = [
     "COLUMNS",
@@ -71,6 +70,12 @@ class CriteoRows:
 
     def to_batch(self) -> Batch:
         """The rows as a :class:`Batch` (the KJT's values feature by feature, then row by row)."""
+        # Imported here: the converter's worker processes import this module without torch.
+        import torch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from recsdk.data.batch import Batch
+
         present_t = self.present.T
         kjt = KeyedJaggedTensor(
             keys=list(CRITEO_SPARSE_FEATURES),
