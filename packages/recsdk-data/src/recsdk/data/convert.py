@@ -25,9 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = parser.add_subparsers(dest="kind", required=True)
     criteo = kinds.add_parser("criteo", help="Criteo Kaggle / Terabyte TSV (plain or .gz) to a columnar dataset")
     criteo.add_argument(
-        "paths", nargs="+", metavar="IN... OUT", help="input files in line order, then the output folder"
+        "paths", nargs="+", metavar="PATH", help="the input files in line order, then the output folder"
     )
-    criteo.add_argument("--workers", type=int, default=None, help="processes (default: the CPU count)")
+    criteo.add_argument(
+        "--workers", type=int, default=None, help="processes (default: one per 512 MiB of input, up to the CPU count)"
+    )
     criteo.add_argument("--on-bad-line", choices=ON_BAD_LINE, default="error")
     criteo.add_argument("--rows-per-batch", type=int, default=1 << 18, help="rows per record batch (default 262144)")
     criteo.add_argument("--chunk-bytes", type=int, default=256 << 20, help="bytes of a plain file per unit of work")
