@@ -7,6 +7,8 @@ package (the columnar converter's workers) does not import torch.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,29 +32,43 @@ if TYPE_CHECKING:
     from recsdk.data.partition import current_shard, resolve_rank_and_world_size
     from recsdk.data.random_dataset import RandomRecDataset
 
+# Each public name's module; a literal import per module, so the dependency test can read them.
 _MODULES = {
-    "Batch": "recsdk.data.batch",
-    "CRITEO_DENSE_COLUMNS": "recsdk.data.criteo_fields",
-    "CRITEO_SPARSE_FEATURES": "recsdk.data.criteo_fields",
-    "ColumnarDataset": "recsdk.data.columnar",
-    "CriteoDataset": "recsdk.data.criteo",
-    "DEVICE_TYPES": "recsdk.data.device",
-    "ParquetRecDataset": "recsdk.data.parquet",
-    "RandomRecDataset": "recsdk.data.random_dataset",
-    "backend_for": "recsdk.data.device",
-    "convert_criteo": "recsdk.data.criteo_convert",
-    "current_shard": "recsdk.data.partition",
-    "current_stream": "recsdk.data.device",
-    "get_device": "recsdk.data.device",
-    "hash_string": "recsdk.data.hashing",
-    "hash_strings": "recsdk.data.hashing",
-    "mix64": "recsdk.data.hashing",
-    "new_stream": "recsdk.data.device",
-    "npu_available": "recsdk.data.device",
-    "resolve_rank_and_world_size": "recsdk.data.partition",
-    "stream_context": "recsdk.data.device",
-    "unmix64": "recsdk.data.hashing",
-    "write_synthetic_criteo": "recsdk.data.criteo_synthetic",
+    "Batch": "batch",
+    "CRITEO_DENSE_COLUMNS": "criteo_fields",
+    "CRITEO_SPARSE_FEATURES": "criteo_fields",
+    "ColumnarDataset": "columnar",
+    "CriteoDataset": "criteo",
+    "DEVICE_TYPES": "device",
+    "ParquetRecDataset": "parquet",
+    "RandomRecDataset": "random_dataset",
+    "backend_for": "device",
+    "convert_criteo": "criteo_convert",
+    "current_shard": "partition",
+    "current_stream": "device",
+    "get_device": "device",
+    "hash_string": "hashing",
+    "hash_strings": "hashing",
+    "mix64": "hashing",
+    "new_stream": "device",
+    "npu_available": "device",
+    "resolve_rank_and_world_size": "partition",
+    "stream_context": "device",
+    "unmix64": "hashing",
+    "write_synthetic_criteo": "criteo_synthetic",
+}
+_LOADERS: dict[str, Callable[[], ModuleType]] = {
+    "batch": lambda: importlib.import_module("recsdk.data.batch"),
+    "columnar": lambda: importlib.import_module("recsdk.data.columnar"),
+    "criteo": lambda: importlib.import_module("recsdk.data.criteo"),
+    "criteo_convert": lambda: importlib.import_module("recsdk.data.criteo_convert"),
+    "criteo_fields": lambda: importlib.import_module("recsdk.data.criteo_fields"),
+    "criteo_synthetic": lambda: importlib.import_module("recsdk.data.criteo_synthetic"),
+    "device": lambda: importlib.import_module("recsdk.data.device"),
+    "hashing": lambda: importlib.import_module("recsdk.data.hashing"),
+    "parquet": lambda: importlib.import_module("recsdk.data.parquet"),
+    "partition": lambda: importlib.import_module("recsdk.data.partition"),
+    "random_dataset": lambda: importlib.import_module("recsdk.data.random_dataset"),
 }
 
 __all__ = [
@@ -85,7 +101,7 @@ def __getattr__(name: str) -> Any:
     module = _MODULES.get(name)
     if module is None:
         raise AttributeError(f"module 'recsdk.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_LOADERS[module](), name)
     globals()[name] = value
     return value
 
