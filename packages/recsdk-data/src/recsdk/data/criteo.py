@@ -106,9 +106,7 @@ class _RowPool:
             if self._start == len(block):
                 self._blocks.popleft()
                 self._start = 0
-        if len(pieces) == 1:
-            return pieces[0]
-        return CriteoRows(*(np.concatenate(arrays) for arrays in zip(*(p.arrays() for p in pieces), strict=True)))
+        return CriteoRows.concat(pieces)
 
     def drain(self) -> CriteoRows | None:
         """All held rows (in a random order when shuffling), emptying the pool; ``None`` if empty."""

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
@@ -117,12 +116,6 @@ def _lines_before(path: Path, offset: int) -> int:
     return count
 
 
-def _concat(rows: list[CriteoRows]) -> CriteoRows:
-    if len(rows) == 1:
-        return rows[0]
-    return CriteoRows(*(np.concatenate(arrays) for arrays in zip(*(r.arrays() for r in rows), strict=True)))
-
-
 _REPORT: Callable[[int], None] | None = None  # a worker process's progress channel
 
 
@@ -156,7 +149,7 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
                 pending.append(block)
                 held += len(block)
                 if held >= limit:
-                    joined = _concat(pending)
+                    joined = CriteoRows.concat(pending)
                     for first in range(0, held - limit + 1, limit):
                         write(joined.take(slice(first, first + limit)))
                     kept = held % limit
@@ -166,7 +159,7 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
                 report(done - reported)
                 reported = done
             if pending:
-                write(_concat(pending))
+                write(CriteoRows.concat(pending))
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, part)

@@ -64,6 +64,13 @@ class CriteoRows:
     def take(self, index: npt.NDArray[np.int64] | slice) -> CriteoRows:
         return CriteoRows(self.labels[index], self.dense[index], self.ids[index], self.present[index])
 
+    @staticmethod
+    def concat(parts: list[CriteoRows]) -> CriteoRows:
+        """``parts`` one after another (the one part itself when there is one)."""
+        if len(parts) == 1:
+            return parts[0]
+        return CriteoRows(*(np.concatenate(arrays) for arrays in zip(*(p.arrays() for p in parts), strict=True)))
+
     def empty(self, n: int) -> CriteoRows:
         """``n`` uninitialised rows with these rows' dtypes, widths and memory order."""
         return CriteoRows(*(np.empty_like(a, shape=(n, *a.shape[1:])) for a in self.arrays()))
