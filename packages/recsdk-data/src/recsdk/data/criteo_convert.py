@@ -50,6 +50,11 @@ def _part_name(unit: int) -> str:
     return f"part-{unit:05d}.arrow"
 
 
+def _partial(part: Path) -> Path:
+    """Where a part is written before it is renamed into place."""
+    return part.with_name(part.name + ".tmp")
+
+
 def _marker(out: Path, unit: int) -> Path:
     return out / _WORK / f"unit-{unit:05d}.json"
 
@@ -137,7 +142,7 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
     bad = BadLines(options["on_bad_line"], line_base=(lambda: _lines_before(path, start) + 1) if start else None)
     schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES)
     part = Path(out) / _part_name(unit)
-    tmp = part.with_name(part.name + ".tmp")
+    tmp = _partial(part)
     limit, rows, pending, held, reported = options["rows_per_batch"], 0, [], 0, 0
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
 
@@ -261,7 +266,7 @@ def convert_criteo(
             if done["bytes"] == part.stat().st_size:
                 results[unit] = done
                 continue
-        for stale in (marker, part, part.with_name(part.name + ".tmp")):
+        for stale in (marker, part, _partial(part)):
             stale.unlink(missing_ok=True)
         todo.append(unit)
     options = {**plan["options"], "block_size": block_size}
