@@ -25,7 +25,7 @@ CONSTRAINTS = "requirements/constraints.txt"
 PACKAGES = ["data", "embedding", "sharding", "pipeline"]  # a package imports only ones before it
 # torchrec 1.8.0's own requirements, minus fbgemm-gpu (fbgemm-gpu-cpu replaces it).
 STACK = ["torch", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "iopath", "tqdm", "numpy"]
-STACK += ["pyarrow"]  # recsdk-data's readers
+STACK += ["pyarrow", "safetensors"]  # recsdk-data's readers; published versions
 TEST_TOOLS = ["pytest", "hypothesis", "hatchling"]
 
 nox.options.sessions = ["lint", "typecheck", "tests", "integration"]

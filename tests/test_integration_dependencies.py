@@ -37,6 +37,7 @@ IMPORT_TO_DISTRIBUTION = {
     "numpy": "numpy",
     "pyarrow": "pyarrow",
     "tqdm": "tqdm",
+    "safetensors": "safetensors",
     "torch_npu": "torch-npu",
 }
 

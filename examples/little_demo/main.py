@@ -18,6 +18,7 @@ steps, and at the end prints a summary and writes ``summary.json`` and ``trainin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -51,7 +52,7 @@ from recsdk.pipeline import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from recsdk.sharding import HostShardedModule, HybridEmbeddingShardingPlanner, get_default_hybrid_sharders
+from recsdk.sharding import HostShardedModule, HybridEmbeddingShardingPlanner, Publisher, get_default_hybrid_sharders
 
 EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse tables (step 5)
 DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
@@ -120,7 +121,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
     parser.add_argument("--timeout-s", type=_int_at_least(10), default=120, help="process group timeout")
     parser.add_argument("--out", default="out/little_demo", help="folder for summary.json and training.png")
+    parser.add_argument("--publish-dir", default=None, help="publish versions for serving into this folder")
+    parser.add_argument(
+        "--publish-every", type=_int_at_least(1), default=None, help="steps between published versions (default 100)"
+    )
     args = parser.parse_args(argv)
+    if args.publish_every is not None and args.publish_dir is None:
+        parser.error("--publish-every needs --publish-dir (the folder the versions go to)")
+    args.publish_every = args.publish_every or 100
 
     torchrun_world = os.environ.get("WORLD_SIZE") if "RANK" in os.environ else None
     if torchrun_world is not None and args.world_size not in (None, int(torchrun_world)):
@@ -233,6 +241,9 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         )
         optimizer = CombinedOptimizer([ddp_model.fused_optimizer, dense_optimizer])
 
+        # Publishing for serving (optional): numbered versions, full or deltas, between steps.
+        publisher = Publisher(ddp_model, args.publish_dir) if args.publish_dir else None
+
         # 8. The pipeline: host id work for the next batches overlaps this batch's compute.
         pipeline = HybridTrainPipelineSparseDist(
             ddp_model, optimizer, device, execute_all_batches=True, pipe_n_batch=args.pipe_n_batch
@@ -241,7 +252,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
             if rank == 0:
                 _print_header(args, world_size, device, ddp_model)
             # 9. Training with the pipeline (and evaluating with it, in eval mode).
-            history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp)
+            history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp, publisher)
             history["host_staged"], history["inline"] = pipeline.host_staged_modules, pipeline.inline_modules
             history["host_thread"] = pipeline.host_thread
         finally:
@@ -269,8 +280,10 @@ def train(
     rank: int,
     world_size: int,
     host_gp: dist.ProcessGroup,
+    publisher: Publisher | None = None,
 ) -> dict[str, Any]:
-    """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps."""
+    """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps
+    and, with a ``publisher``, a version every ``args.publish_every`` steps and at the end."""
     batches = iter(data.train)
     auroc = BinaryAUROC(process_group=host_gp)  # compute() gathers the predictions of every rank
     best_auc = best_possible_auc(data, auroc)
@@ -289,6 +302,8 @@ def train(
             bar.update()
             if step % 10 == 0 or step == args.steps:
                 bar.set_postfix_str(f"loss={float(loss):.4f} samples/s={step * samples_per_step / train_s:,.0f}")
+            if publisher is not None and (step % args.publish_every == 0 or step == args.steps):
+                publisher.publish(step=step)  # between steps: batches mapped ahead are left out until they compute
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
                 evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc)))
                 if rank == 0:
@@ -299,6 +314,7 @@ def train(
         "best_auc": best_auc,
         "train_s": train_s,
         "samples_per_s": args.steps * samples_per_step / train_s,
+        "published": [dataclasses.asdict(r) for r in publisher.records] if publisher is not None else [],
     }
 
 
@@ -427,6 +443,7 @@ def report(
         "host_staged_modules": history["host_staged"],
         "inline_modules": history["inline"],
         "tables": stats,
+        "published": history["published"],
     }
     out = Path(args.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -468,12 +485,29 @@ def report(
                     f"{s['store_rows_used']:,}",
                 )
             )
+    if history["published"]:
+        _print_published(history["published"], args.publish_dir)
     if history["host_staged"]:
         print(f"\nhost stage run ahead on the pipeline's host thread for: {', '.join(history['host_staged'])}")
     if history["inline"]:
         where = "" if history["host_thread"] else " (no host thread on a CPU device)"
         print(f"\npipelined on TorchRec's schedule, on the calling thread{where}: {', '.join(history['inline'])}")
     print(f"\nwrote {out / 'summary.json'} and {out / 'training.png'}", flush=True)
+
+
+def _print_published(records: list[dict[str, Any]], root: str) -> None:
+    """The versions written: how many, ids and bytes per delta, and the time publishing took."""
+    deltas = [r for r in records if r["kind"] == "delta"]
+    fulls = [r for r in records if r["kind"] == "full"]
+    seconds = sum(r["seconds"] for r in records)
+    print(f"\npublished {len(records)} versions to {root} ({len(fulls)} full, {len(deltas)} deltas) in {seconds:.2f} s")
+    if fulls:
+        print(f"  full:  {fulls[-1]['ids']:,} ids, {fulls[-1]['bytes'] / 1e6:.2f} MB (the latest)")
+    if deltas:
+        ids = sum(r["ids"] for r in deltas) / len(deltas)
+        deleted = sum(r["deleted"] for r in deltas) / len(deltas)
+        size = sum(r["bytes"] for r in deltas) / len(deltas)
+        print(f"  delta: {ids:,.0f} ids and {deleted:,.0f} deletions, {size / 1e6:.2f} MB (mean per delta)")
 
 
 def plot(losses: list[float], evals: list[tuple[int, float]], best_auc: float | None, path: Path) -> None:

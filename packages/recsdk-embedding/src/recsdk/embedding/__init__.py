@@ -4,6 +4,7 @@
 (sequence, an ``EmbeddingCollection``).
 """
 
+from recsdk.embedding.change_tracker import ChangeSnapshot, RowChangeTracker
 from recsdk.embedding.config import HashEmbeddingBagConfig, HashEmbeddingConfig
 from recsdk.embedding.hash_embedding import HashEmbeddingCollection
 from recsdk.embedding.hash_embedding_bag import HashEmbeddingBagCollection
@@ -12,9 +13,19 @@ from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.id_table import IdTable, TableFullError
 from recsdk.embedding.input_checks import check_features
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, LRUEviction, TTLEviction
+from recsdk.embedding.publication import (
+    PublicationError,
+    PublishedTable,
+    PublishedVersion,
+    latest_version,
+    list_versions,
+    read_version,
+    replay,
+)
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
 __all__ = [
+    "ChangeSnapshot",
     "CountAdmission",
     "EvictionPolicy",
     "HashEmbeddingBagCollection",
@@ -25,10 +36,18 @@ __all__ = [
     "LFUEviction",
     "LRUEviction",
     "OptimizerAttachment",
+    "PublicationError",
+    "PublishedTable",
+    "PublishedVersion",
+    "RowChangeTracker",
     "TTLEviction",
     "TableFullError",
     "check_features",
     "fmix64",
     "init_rows_",
+    "latest_version",
+    "list_versions",
+    "read_version",
+    "replay",
     "reset_optimizer_rows_",
 ]

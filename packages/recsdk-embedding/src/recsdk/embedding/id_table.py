@@ -20,11 +20,11 @@ Layout (all torch tensors on the table's device, so every operation is whole-bat
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import torch
 
+from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.embedding.count_sketch import CountMinSketch
 from recsdk.embedding.id_table_state import (
     _INT32_MAX,
@@ -35,6 +35,7 @@ from recsdk.embedding.id_table_state import (
     _STAT_NAMES,
     IdTableState,
 )
+from recsdk.embedding.lazy_memory import lazy_zeros
 from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, TTLEviction, check_policies
 from recsdk.embedding.slot_index import FbgemmSlotIndex, TorchSlotIndex, make_slot_index
 
@@ -130,6 +131,7 @@ class IdTable(IdTableState):
         self._reassigned: list[torch.Tensor]  # rows reassigned since the last take (may repeat)
         self._reassigned_count: int
         self._stats: dict[str, int]
+        self._changes: RowChangeTracker | None = None  # see track_changes
         self._allocate()
 
     # ------------------------------------------------------------------ properties
@@ -190,6 +192,11 @@ class IdTable(IdTableState):
         if self._sketch is not None:
             tensors.append(self._sketch.counters)
         return self._index.memory_bytes + sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def changes(self) -> RowChangeTracker | None:
+        """The tracker of changed rows and departed ids (None until :meth:`track_changes`)."""
+        return self._changes
 
     def __len__(self) -> int:
         return self._size
@@ -402,6 +409,35 @@ class IdTable(IdTableState):
             self._free_rows(present)
         return rows.view(shape)
 
+    def track_changes(self) -> RowChangeTracker:
+        """Track which rows change and which ids leave from now on, for versions published to
+        serving (:class:`~recsdk.embedding.change_tracker.RowChangeTracker`); idempotent.
+
+        The table stamps the rows it places ids in and frees; whoever trains the rows stamps those
+        (``table.changes.changed(rows)``). Replacing the table's state (:meth:`load_state_dict`,
+        :meth:`rebuild`) resets the tracker.
+
+        Returns:
+            RowChangeTracker: the table's tracker.
+        """
+        self._check_usable()
+        if self._changes is None:
+            self._changes = RowChangeTracker(self._capacity, self._device)
+        return self._changes
+
+    def occupants(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids stored at ``rows`` and which of the rows hold one.
+
+        Args:
+            rows (torch.Tensor): int64 ``[n]`` rows in ``[0, capacity)``.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: int64 ``ids [n]`` (meaningless where not occupied)
+            and bool ``occupied [n]``.
+        """
+        self._check_usable()
+        return self._row_id.index_select(0, rows), self._row_state.index_select(0, rows) == _OCCUPIED
+
     def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored ids and their rows, in ascending row order.
 
@@ -510,17 +546,17 @@ class IdTable(IdTableState):
     def _allocate(self) -> None:
         dev = self._device
         cap = self._capacity
-        self._row_id = _lazy_zeros(cap, torch.int64, dev)
+        self._row_id = lazy_zeros(cap, torch.int64, dev)
         self._index = make_slot_index(cap, dev, self._row_id)
-        self._row_state = _lazy_zeros(cap, torch.int8, dev)
+        self._row_state = lazy_zeros(cap, torch.int8, dev)
         # One spare entry at index ``capacity`` absorbs writes for ids without a row.
-        self._last_step_buf = _lazy_zeros(cap + 1, torch.int32, dev)
-        self._freq_buf = _lazy_zeros(cap + 1, torch.int32, dev)
+        self._last_step_buf = lazy_zeros(cap + 1, torch.int32, dev)
+        self._freq_buf = lazy_zeros(cap + 1, torch.int32, dev)
         self._last_step = self._last_step_buf[:cap]
         self._freq = self._freq_buf[:cap]
-        self._pins_buf = _lazy_zeros(cap + 1, torch.int32, dev)
+        self._pins_buf = lazy_zeros(cap + 1, torch.int32, dev)
         self._pins = self._pins_buf[:cap]
-        self._free = _lazy_zeros(cap, torch.int32, dev)  # the stack of free rows below the mark, bottom to top
+        self._free = lazy_zeros(cap, torch.int32, dev)  # the stack of free rows below the mark, bottom to top
         self._free_top = 0
         self._high_water = 0  # with an empty stack: hands out 0, 1, 2, ...
         self._tail_retired = False
@@ -533,6 +569,8 @@ class IdTable(IdTableState):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         if self._sketch is not None:
             self._sketch.counters.zero_()
+        if self._changes is not None:  # the rows' ids are replaced wholesale: the next version is full
+            self._changes.reset()
 
     def _check_usable(self) -> None:
         if self._device.type == "meta":
@@ -608,6 +646,8 @@ class IdTable(IdTableState):
         self._last_step[rows] = step
         self._freq[rows] = 1
         self._size += ids.numel()
+        if self._changes is not None:
+            self._changes.placed(rows)
 
     def _pop_free(self, k: int) -> torch.Tensor:
         """Take ``k`` free rows: the stack's from the top, then never-used ones upward from the mark.
@@ -638,6 +678,8 @@ class IdTable(IdTableState):
 
     def _free_rows(self, rows: torch.Tensor) -> None:
         """Remove the ids of distinct occupied ``rows`` and push the rows on the free stack."""
+        if self._changes is not None:
+            self._changes.freed(rows, self._row_id.index_select(0, rows))
         self._index.remove(self._row_id[rows], rows)
         self._row_state[rows] = _RETIRED
         n = rows.numel()
@@ -726,14 +768,3 @@ class IdTable(IdTableState):
             self._reassigned = [pending] if pending.numel() else []
             self._reassigned_count = pending.numel()
         self._row_state[rows] = _NEVER_USED
-
-
-def _lazy_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(n, dtype=dtype, device=device)``; on CPU, no page of it is resident until written.
-
-    On CPU the tensor lies in an anonymous memory map, whose pages the OS provides, zeroed, when
-    first touched (``torch.zeros`` would write, and so hold, every page at once).
-    """
-    if device.type != "cpu":
-        return torch.zeros(n, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype)

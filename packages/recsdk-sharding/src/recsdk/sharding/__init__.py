@@ -5,6 +5,7 @@ id-to-row mapping in each shard's id table); the device does the lookups with To
 fused kernels and the pooled output dist over the default group.
 """
 
+from recsdk.embedding.publication import read_version
 from recsdk.sharding.agreement import CarriedFlag, FailureAgreement, PeerFailureError
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
@@ -29,6 +30,7 @@ from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
 from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarrier, FlagCarryingTwPooledEmbeddingDist
 from recsdk.sharding.owner import OWNER_SALT, owner
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
+from recsdk.sharding.publisher import Publisher, PublishRecord
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.row_store import FileRowStore, HostRowStore, RowStore
@@ -90,6 +92,8 @@ __all__ = [
     "OwnerSequenceFeaturesDist",
     "OwnerSparseFeaturesDist",
     "PeerFailureError",
+    "PublishRecord",
+    "Publisher",
     "RowLedger",
     "RowStore",
     "ShardCost",
@@ -106,6 +110,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "owner",
+    "read_version",
     "refuse_inputs",
     "save_checkpoint",
     "sharded_hash_modules",

@@ -29,6 +29,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, init_rows_
+from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
@@ -163,6 +164,8 @@ class HostShards:
         kernel = self.kernel
         every_row: dict[str, TableViews] = {}
         for name, table in self.stage.id_tables.items():
+            if table.changes is not None:  # every row changes: the next published version is full
+                table.changes.reset()
             cache = self.caches.get(name)
             if cache is None:
                 every_row[name] = kernel[name]
@@ -266,6 +269,8 @@ class HostShards:
             self._agreement.start(None, carrier=self._flag)
         kjts = self.map(ctx, dist_input, ahead=False, training=training)
         kernel = self.kernel
+        if training:
+            self._stamp_changes(ctx)
         for name, rows in self.ledger.start_compute(ctx.token).items():
             cache = self.caches.get(name)
             if cache is None:
@@ -284,6 +289,29 @@ class HostShards:
         }
         self._missing = ctx.missing
         return kjts
+
+    def _stamp_changes(self, ctx: HostStageState) -> None:
+        """Tell the change trackers (publishing) the rows this training batch changes: its rows, and
+        row 0 of every table when unpooled ids without a row look it up (the optimizer sees it)."""
+        missing = any(m is not None for m in ctx.missing)
+        for name, table in self.stage.id_tables.items():
+            changes = table.changes
+            if changes is None:
+                continue
+            rows = ctx.batch_rows.get(name)
+            if rows is not None:
+                changes.changed(rows)
+            if missing:
+                changes.changed(torch.zeros(1, dtype=torch.int64))
+
+    def read_rows(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        """The current weights of ``rows`` (the id table's rows) of a local table, ``[n, dim]``;
+        a cached table's read through its cache (nothing written back, nothing evicted)."""
+        cache = self.caches.get(table)
+        if cache is not None:
+            return cache.read_weights(rows)
+        weight = self.kernel[table].weight
+        return weight.index_select(0, rows.to(weight.device))
 
     def end_compute(self, ctx: HostStageState, awaitable: LazyAwaitable[Any], training: bool) -> None:
         """After the lookups were issued: the inline failure agreement settles when the output is
@@ -442,6 +470,36 @@ class HostShardedModule:
         kernel's, or a cached table's store (after every changed cache row is written back and the
         cache emptied: write these, e.g. a checkpoint load, and the cache fills from them)."""
         return self._shards.views
+
+    def read_rows(self, table: str, rows: torch.Tensor) -> torch.Tensor:
+        """The current weights of a local table's ``rows`` (its id table's rows), ``[n, dim]`` on the
+        lookup device; a cached table's read through its cache, which stays as it is."""
+        return self._shards.read_rows(table, rows)
+
+    def track_changes(self) -> None:
+        """Start tracking every local table's changed rows and departed ids (for publishing)."""
+        with self._shards.stage.lock:
+            for table in self.id_tables.values():
+                table.track_changes()
+
+    def change_snapshots(self, *, full: bool) -> dict[str, ChangeSnapshot]:
+        """Per local table, what the next published version holds (see
+        :class:`~recsdk.embedding.change_tracker.RowChangeTracker`): taken under the host stage's
+        lock, so a pipeline's host thread may go on mapping; rows owed a reset by batches not yet
+        computed are left out."""
+        with self._shards.stage.lock:
+            owed = self._shards.ledger.owed_resets()
+            return {
+                name: table.track_changes().snapshot(table, full=full, exclude=owed.get(name))
+                for name, table in self.id_tables.items()
+            }
+
+    def commit_changes(self, snapshots: dict[str, ChangeSnapshot], token: str) -> None:
+        """The version holding ``snapshots`` (from :meth:`change_snapshots`) is published as ``token``."""
+        with self._shards.stage.lock:
+            for name, snap in snapshots.items():
+                table = self.id_tables[name]
+                table.track_changes().commit(table, snap, token)
 
     def staging_views(self, table: str) -> TableViews:
         """New tensors shaped as ``table_views()[table]``, for a checkpoint load to read into

@@ -166,6 +166,18 @@ class TableCache:
         if bool(held.any()):
             self._release(slots[held], rows[held])
 
+    def read_weights(self, rows: torch.Tensor) -> torch.Tensor:
+        """The current weights of store ``rows`` (``[n, dim]`` on the store's device): a cached row's
+        from its slot, the others from the store. Changes nothing."""
+        rows = rows.to(torch.int64)
+        out = self.store.views.weight.index_select(0, rows)
+        slots = self._held_slots(rows)
+        held = (slots >= 0).nonzero().squeeze(1)
+        if held.numel():
+            weight = self.kernel.weight
+            out[held] = weight.index_select(0, slots[held].to(weight.device)).to(out.device)
+        return out
+
     def flush(self) -> None:
         """Write every changed slot back to the store and empty the cache."""
         self._write_back(self._dirty.nonzero().squeeze(1))

@@ -9,13 +9,12 @@ every byte, so the ranks share the work: file ``i`` of the sorted list goes to r
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from recsdk.embedding.file_checksum import checksum
 from recsdk.sharding.checkpoint.errors import CheckpointError
 
 __all__ = [
@@ -27,8 +26,6 @@ __all__ = [
     "verify_checksums",
     "verify_sizes",
 ]
-
-_CHUNK = 1 << 30
 
 
 def data_files(directory: str, manifest_name: str) -> list[str]:
@@ -43,18 +40,6 @@ def data_files(directory: str, manifest_name: str) -> list[str]:
 def my_share(names: list[str], rank: int, world: int) -> list[str]:
     """The files of ``names`` (sorted) whose checksum ``rank`` computes."""
     return sorted(names)[rank::world]
-
-
-def checksum(path: str) -> int:
-    """CRC-32 of a file's bytes (memory-mapped: no copy; ``zlib.crc32`` releases the GIL)."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            for start in range(0, len(view), _CHUNK):
-                crc = zlib.crc32(view[start : start + _CHUNK], crc)
-    return crc & 0xFFFFFFFF
 
 
 def describe(directory: str, names: list[str]) -> dict[str, dict[str, int]]:

@@ -21,6 +21,7 @@ from recsdk.embedding import (
     HashEmbeddingConfig,
     IdTable,
 )
+from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.row_ledger import RowLedger
@@ -46,7 +47,7 @@ def root(model: nn.Module) -> nn.Module:
 
 
 class HashModule(Protocol):
-    """What a checkpoint uses of a sharded hash module.
+    """What a checkpoint (and a publisher) uses of a sharded hash module.
 
     A :class:`~recsdk.sharding.HashModule` or
     :class:`~recsdk.sharding.ShardedHashEmbeddingCollection`: recsdk's public accessors
@@ -71,6 +72,11 @@ class HashModule(Protocol):
     def parameter_key(self, table: str) -> str: ...
     def kernel_rows(self, table: str) -> int: ...
     def release_finished_pins(self) -> None: ...
+    # publishing (recsdk.sharding.Publisher)
+    def read_rows(self, table: str, rows: torch.Tensor) -> torch.Tensor: ...
+    def track_changes(self) -> None: ...
+    def change_snapshots(self, *, full: bool) -> dict[str, ChangeSnapshot]: ...
+    def commit_changes(self, snapshots: dict[str, ChangeSnapshot], token: str) -> None: ...
 
 
 def hash_modules(model: nn.Module) -> dict[str, HashModule]:

@@ -1,0 +1,278 @@
+"""Publishing versions for serving: full versions, deltas, and what publishing costs training.
+
+Two ranks on gloo hold the benchmarks' DLRM with ``--tables`` hash tables sharded row-wise, their
+id tables filled to ``--ids`` ids in all (fused Adagrad). In the same run, one JSON line each:
+
+- ``full``: ``Publisher.publish`` of a full version (every id with its row, fp32) against
+  ``export_embeddings`` of the same tables (Parquet), MB/s of the rows' bytes, slowest rank
+  counted; ratio = publish MB/s / export MB/s;
+- ``delta_1pct``, ``delta_10pct``: a delta after that share of the ids changed (rows stamped by
+  what training stamps, half of them given new values; ids removed for a tenth of the share, so
+  the delta carries deletions), its time and bytes as fractions of the full publish (targets at
+  1%: <= 0.1x the time, <= 0.05x the bytes); ``extra_ids``: ids the delta holds beyond those
+  changed (0: exact);
+- ``training``: samples/s of training on Zipf batches with a delta published every
+  ``--publish-every-s`` seconds of training, against the same training without a publisher
+  (ratio, target >= 0.9), in interleaved rounds on two models;
+- ``tracking``: the change tracking's cost per step (tracked model, no publishing, against the
+  untracked one), in microseconds and as a fraction of the step.
+
+Medians over ``--rounds`` interleaved rounds.
+
+    python benchmarks/publish.py [--ids 1000000] [--dim 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import (
+    DLRM,
+    embedding_collection,
+    feature_names,
+    host_env,
+    random_batches,
+    set_threads,
+    shard,
+    table_configs,
+)
+
+from recsdk.data.testing import run_distributed
+from recsdk.sharding import Publisher, export_embeddings, get_default_hybrid_sharders, owner, sharded_hash_modules
+
+BATCH = 1024
+
+
+def _build(args: argparse.Namespace) -> Any:
+    torch.manual_seed(0)
+    features = feature_names(args.tables)
+    rows = int(args.ids / args.tables / 0.8)  # id tables 80% full
+    model = DLRM(embedding_collection(table_configs("hash", features, args.dim, rows)), features, args.dim)
+    from torchrec.distributed.planner import ParameterConstraints
+
+    constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    return shard(model, sharders, constraints, BATCH)
+
+
+def _fill(dmp: Any, ids_per_table: int, rank: int, world_size: int) -> None:
+    """Store this rank's share of ``ids_per_table`` raw ids in each table, with random rows."""
+    (module,) = sharded_hash_modules(dmp).values()
+    gen = torch.Generator().manual_seed(1234 + rank)
+    views = module.table_views()
+    for name, table in module.id_tables.items():
+        ids = torch.randint(-(2**62), 2**62, (3 * ids_per_table,), generator=gen).unique()
+        ids = ids[owner(ids, world_size) == rank][: ids_per_table // world_size]
+        table.insert_at(ids, torch.arange(ids.numel()))
+        with torch.no_grad():
+            views[name].weight[: ids.numel()].copy_(torch.rand(ids.numel(), views[name].weight.shape[1], generator=gen))
+
+
+def _timed(fn: Any) -> float:
+    """Seconds for ``fn`` on the slowest rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
+    """Change ``share`` of each local table's ids as training would: rows stamped (half of them
+    with new values), a tenth of the share removed. Returns the ids changed on this rank."""
+    (module,) = sharded_hash_modules(dmp).values()
+    gen = torch.Generator().manual_seed(99 + rank + 10 * round_)
+    views = module.table_views()
+    changed = 0
+    for name, table in module.id_tables.items():
+        ids, rows = table.ids_and_rows()
+        pick = torch.randperm(ids.numel(), generator=gen)[: int(share * ids.numel())]
+        removed = pick[: pick.numel() // 10]
+        trained = pick[pick.numel() // 10 :]
+        with torch.no_grad():
+            half = rows[trained[: trained.numel() // 2]]
+            views[name].weight[half] += 0.01
+        table.changes.changed(rows[trained])
+        table.remove(ids[removed])
+        changed += pick.numel()
+    return changed
+
+
+def _rows_bytes(dmp: Any) -> int:
+    (module,) = sharded_hash_modules(dmp).values()
+    total = torch.tensor([sum(len(t) * module.table_configs[n].embedding_dim * 4 for n, t in module.id_tables.items())])
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    set_threads(args.threads)
+    dmp, _ = _build(args)
+    _fill(dmp, args.ids // args.tables, rank, world_size)
+    nbytes = _rows_bytes(dmp)
+    full_s, export_s, full_bytes = [], [], []
+    fulls = Publisher(dmp, os.path.join(root, "full"), full_every=1, keep=1)
+    for r in range(args.rounds):
+        full_s.append(_timed(lambda r=r: fulls.publish(step=r)))
+        full_bytes.append(fulls.records[-1].bytes)
+        path = os.path.join(root, f"export{r}")
+        export_s.append(_timed(lambda path=path: export_embeddings(dmp, path)))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+    out: dict[str, Any] = {
+        "full": {
+            "publish_mb_per_s": nbytes / 1e6 / statistics.median(full_s),
+            "export_mb_per_s": nbytes / 1e6 / statistics.median(export_s),
+            "seconds": statistics.median(full_s),
+            "bytes": statistics.median(full_bytes),
+            "ids": fulls.records[-1].ids,
+        }
+    }
+    deltas = Publisher(dmp, os.path.join(root, "delta"), full_every=10**9)
+    deltas.publish(step=0)  # the first version of a new publisher is full
+    for share in (0.01, 0.10):
+        seconds, sizes, extra = [], [], []
+        for r in range(args.rounds):
+            changed = torch.tensor([_change(dmp, share, rank, r)])
+            dist.all_reduce(changed)
+            seconds.append(_timed(lambda r=r: deltas.publish(step=r)))
+            record = deltas.records[-1]
+            sizes.append(record.bytes)
+            extra.append(record.ids + record.deleted - int(changed))
+        out[f"delta_{round(share * 100)}pct"] = {
+            "seconds": statistics.median(seconds),
+            "bytes": statistics.median(sizes),
+            "extra_ids": max(extra),
+        }
+    return out
+
+
+def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    set_threads(args.threads)
+    plain, plain_opt = _build(args)
+    tracked, tracked_opt = _build(args)
+    for dmp in (plain, tracked):
+        _fill(dmp, args.ids // args.tables, rank, world_size)
+    id_range = int(args.ids / args.tables * 1.2)
+    batches = random_batches(
+        batch_size=BATCH,
+        num_batches=64,
+        features=feature_names(args.tables),
+        id_range=id_range,
+        pooling=4,
+        rank=rank,
+        world_size=world_size,
+    )
+    publisher = Publisher(tracked, os.path.join(root, "train"), full_every=10**9, keep=1)
+    publisher.publish(step=0)
+    for module in sharded_hash_modules(plain).values():  # the baseline: no tracking at all
+        assert all(t.changes is None for t in module.id_tables.values())
+
+    def train(dmp: Any, opt: Any, steps: int, publish_every_s: float | None) -> tuple[float, int]:
+        """Seconds (slowest rank) for ``steps`` steps, publishing a delta each ``publish_every_s``."""
+        published = 0
+        dist.barrier()
+        start = last = time.perf_counter()
+        for i in range(steps):
+            loss, _ = dmp(batches[i % len(batches)])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if publish_every_s is not None:
+                now = torch.tensor([time.perf_counter() - last])
+                dist.broadcast(now, 0)  # the same decision on every rank
+                if float(now) >= publish_every_s:
+                    publisher.publish(step=i)
+                    published += 1
+                    last = time.perf_counter()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed), published
+
+    train(plain, plain_opt, 5, None)
+    train(tracked, tracked_opt, 5, None)
+    base, with_deltas, tracked_only, publishes = [], [], [], []
+    for _ in range(args.rounds):
+        base.append(train(plain, plain_opt, args.steps, None)[0])
+        seconds, n = train(tracked, tracked_opt, args.steps, args.publish_every_s)
+        with_deltas.append(seconds)
+        publishes.append(n)
+        tracked_only.append(train(tracked, tracked_opt, args.steps, None)[0])
+    samples = args.steps * BATCH * world_size
+    step_base = statistics.median(base) / args.steps
+    step_tracked = statistics.median(tracked_only) / args.steps
+    return {
+        "training": {
+            "samples_per_s": samples / statistics.median(with_deltas),
+            "baseline_samples_per_s": samples / statistics.median(base),
+            "deltas_per_round": statistics.median(publishes),
+        },
+        "tracking": {
+            "us_per_step": (step_tracked - step_base) * 1e6,
+            "fraction_of_step": (step_tracked - step_base) / step_base,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ids", type=int, default=1_000_000, help="ids in all tables together")
+    parser.add_argument("--tables", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=150, help="training steps per round")
+    parser.add_argument("--publish-every-s", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="recsdk-publish-bench-")
+    try:
+        config = {"ids": args.ids, "tables": args.tables, "dim": args.dim, "ranks": 2}
+        out = run_distributed(_publish_and_export, 2, args, root, timeout_s=1800)[0]
+        full = out["full"]
+        print(
+            json.dumps(
+                {
+                    "benchmark": "publish",
+                    "measurement": "full",
+                    **config,
+                    **full,
+                    "ratio": full["publish_mb_per_s"] / full["export_mb_per_s"],
+                }
+            )
+        )
+        for key in ("delta_1pct", "delta_10pct"):
+            d = out[key]
+            line = {
+                "benchmark": "publish",
+                "measurement": key,
+                **config,
+                **d,
+                "time_fraction": d["seconds"] / full["seconds"],
+                "bytes_fraction": d["bytes"] / full["bytes"],
+            }
+            print(json.dumps(line))
+        shutil.rmtree(root, ignore_errors=True)
+        root = tempfile.mkdtemp(prefix="recsdk-publish-bench-")
+        out = run_distributed(_training, 2, args, root, timeout_s=3600)[0]
+        training = out["training"]
+        ratio = training["samples_per_s"] / training["baseline_samples_per_s"]
+        line = {"benchmark": "publish", "measurement": "training", **config, **training, "ratio": ratio}
+        print(json.dumps(line))
+        print(json.dumps({"benchmark": "publish", "measurement": "tracking", **config, **out["tracking"]}))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

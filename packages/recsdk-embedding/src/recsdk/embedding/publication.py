@@ -1,0 +1,318 @@
+"""The publication format: versions of a model's hash tables and dense part, for serving.
+
+A publisher (:class:`recsdk.sharding.Publisher`) writes one directory per version under a root;
+a consumer (a serving process) reads them with :func:`read_version` and rebuilds any version with
+:func:`replay`. Data only: safetensors files and JSON, nothing a reader has to execute.
+
+Layout of a version::
+
+    <root>/00000005/manifest.json                       # written last: the version is complete
+    <root>/00000005/dense.safetensors                   # every parameter and buffer outside the hash tables
+    <root>/00000005/tables/<table>/rank-00001.safetensors   # one file per table and rank holding a shard
+
+A table file holds ``ids`` (int64 ``[n]``, ascending) with ``rows`` (``[n, dim]``, float32 or
+float16; or uint8 with ``scale`` and ``bias`` float32 ``[n]``: FBGEMM's row-wise 8-bit
+quantization, ``row = rows * scale + bias``, at most half a step ``scale / 2`` from the value
+trained), and ``deleted`` (int64 ``[m]``, ascending). A **full** version holds every id of every
+table (``deleted`` empty); a **delta** the ids whose rows changed since its parent version
+(``parent = version - 1``) and the ids deleted since it. Apply a delta by dropping its deleted
+ids, then writing its ids' rows. The manifest records the version, its parent, its kind, the
+training step, the rows' dtype, per table its config and counts, the dense tensors, and every
+file's size and CRC-32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from recsdk.embedding.file_checksum import checksum
+
+__all__ = [
+    "PUBLICATION_FORMAT",
+    "PUBLICATION_MANIFEST",
+    "PublicationError",
+    "PublishedTable",
+    "PublishedVersion",
+    "decode_rows",
+    "encode_rows",
+    "latest_version",
+    "list_versions",
+    "read_version",
+    "replay",
+    "table_file",
+    "version_path",
+]
+
+PUBLICATION_FORMAT = "recsdk.publication"
+PUBLICATION_MANIFEST = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+FORMAT_VERSION = 1
+ROW_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
+"""The dtypes rows are published in, by the name the manifest records."""
+
+_VERSION_NAME = re.compile(r"^\d{8}$")
+
+
+class PublicationError(RuntimeError):
+    """A version is missing, incomplete or damaged (the message names the file or version)."""
+
+
+def version_path(root: str | os.PathLike[str], version: int) -> str:
+    """The directory of ``version`` under ``root``: its number zero-padded to 8 digits."""
+    return os.path.join(os.fspath(root), f"{version:08d}")
+
+
+def table_file(table: str, rank: int) -> str:
+    """A table file's path relative to its version directory."""
+    return f"tables/{table}/rank-{rank:05d}.safetensors"
+
+
+def list_versions(root: str | os.PathLike[str]) -> list[int]:
+    """The complete versions under ``root`` (those with a manifest), ascending; ``[]`` if none."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        int(n) for n in names if _VERSION_NAME.match(n) and os.path.isfile(os.path.join(root, n, PUBLICATION_MANIFEST))
+    )
+
+
+def latest_version(root: str | os.PathLike[str]) -> int | None:
+    """The newest complete version under ``root``, or None."""
+    versions = list_versions(root)
+    return versions[-1] if versions else None
+
+
+def read_manifest(root: str | os.PathLike[str], version: int) -> dict[str, Any]:
+    """A version's manifest, checked to be a publication's.
+
+    Raises:
+        PublicationError: the version is not complete or its manifest is not a publication's.
+    """
+    path = os.path.join(version_path(root, version), PUBLICATION_MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise PublicationError(
+            f"version {version} under {os.fspath(root)!r} is not published (no {path!r}); "
+            f"complete versions: {list_versions(root)}"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise PublicationError(f"{path!r} cannot be read as JSON: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != PUBLICATION_FORMAT:
+        raise PublicationError(f"{path!r} is not a recsdk publication manifest (format {PUBLICATION_FORMAT!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise PublicationError(
+            f"{path!r} has format_version {manifest.get('format_version')!r}; this recsdk reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def encode_rows(weights: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """Rows as published in ``dtype``: ``{"rows"}``, or ``{"rows", "scale", "bias"}`` for uint8.
+
+    Args:
+        weights (torch.Tensor): float ``[n, dim]`` rows.
+        dtype (str): ``"float32"``, ``"float16"`` or ``"uint8"`` (FBGEMM's row-wise 8-bit
+            quantization: per row ``scale = (max - min) / 255``, ``bias = min``).
+    """
+    weights = weights.detach().to("cpu")
+    if dtype != "uint8":
+        return {"rows": weights.to(ROW_DTYPES[dtype]).contiguous()}
+    n, dim = weights.shape
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.float32)
+        return {"rows": torch.zeros(0, dim, dtype=torch.uint8), "scale": empty, "bias": empty.clone()}
+    fused = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(weights.float().contiguous())
+    scale_bias = fused[:, dim:].contiguous().view(torch.float32)
+    return {"rows": fused[:, :dim].contiguous(), "scale": scale_bias[:, 0].clone(), "bias": scale_bias[:, 1].clone()}
+
+
+def decode_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Float32 ``[n, dim]`` rows from what :func:`encode_rows` made."""
+    rows = tensors["rows"]
+    if rows.dtype != torch.uint8:
+        return rows.float()
+    return rows.float() * tensors["scale"].unsqueeze(1) + tensors["bias"].unsqueeze(1)
+
+
+@dataclass
+class PublishedTable:
+    """One table of a version (every rank's file together).
+
+    Attributes:
+        ids (torch.Tensor): int64 ``[n]`` ids written, ascending.
+        rows (dict[str, torch.Tensor]): their rows as stored (``rows``; for uint8 also ``scale``, ``bias``).
+        deleted (torch.Tensor): int64 ``[m]`` ids deleted (a delta), ascending.
+    """
+
+    ids: torch.Tensor
+    rows: dict[str, torch.Tensor]
+    deleted: torch.Tensor
+
+    def embeddings(self) -> torch.Tensor:
+        """Float32 ``[n, dim]`` rows (dequantized for uint8)."""
+        return decode_rows(self.rows)
+
+
+@dataclass
+class PublishedVersion:
+    """A version as :func:`read_version` read it.
+
+    Attributes:
+        version (int): its number.
+        parent (int | None): the version a delta applies on top of (None for a full version).
+        kind (str): ``"full"`` or ``"delta"``.
+        step (int): the training step it was published at.
+        dtype (str): the rows' dtype (``"float32"``, ``"float16"``, ``"uint8"``).
+        tables (dict[str, PublishedTable]): per table name.
+        dense (dict[str, torch.Tensor]): the dense part, by the unsharded model's state_dict names.
+        manifest (dict): the manifest as written.
+    """
+
+    version: int
+    parent: int | None
+    kind: str
+    step: int
+    dtype: str
+    tables: dict[str, PublishedTable]
+    dense: dict[str, torch.Tensor]
+    manifest: dict[str, Any] = field(repr=False)
+
+
+def read_version(root: str | os.PathLike[str], version: int | None = None, *, verify: bool = True) -> PublishedVersion:
+    """Read one version: its tables (every rank's file merged) and dense part.
+
+    Args:
+        root (str | os.PathLike): the publisher's root.
+        version (int | None): the version; None: the latest complete one.
+        verify (bool): check every file's size and CRC-32 against the manifest first.
+
+    Returns:
+        PublishedVersion: the version.
+
+    Raises:
+        PublicationError: the version is not complete, or a file is missing, of another size,
+            or damaged (naming the file).
+
+    Example::
+
+        v = read_version("publish/")
+        v.tables["user"].ids, v.tables["user"].embeddings(), v.tables["user"].deleted
+    """
+    from safetensors.torch import load_file
+
+    if version is None:
+        version = latest_version(root)
+        if version is None:
+            raise PublicationError(f"no complete version under {os.fspath(root)!r}")
+    manifest = read_manifest(root, version)
+    directory = version_path(root, version)
+    files = manifest["files"]
+    if verify:
+        _verify(directory, files)
+    tables: dict[str, PublishedTable] = {}
+    for name, info in manifest["tables"].items():
+        parts = [load_file(os.path.join(directory, f)) for f in info["files"]]
+        tables[name] = _merge(parts, int(info["embedding_dim"]), manifest["dtype"])
+    dense = load_file(os.path.join(directory, manifest["dense"]["file"]))
+    return PublishedVersion(
+        version=int(manifest["version"]),
+        parent=manifest["parent"],
+        kind=manifest["kind"],
+        step=int(manifest["step"]),
+        dtype=manifest["dtype"],
+        tables=tables,
+        dense=dense,
+        manifest=manifest,
+    )
+
+
+def replay(root: str | os.PathLike[str], version: int | None = None) -> PublishedVersion:
+    """The state at ``version`` rebuilt as a consumer does: the latest full version at or before it,
+    then each delta after it in order. A delta applies only on top of its parent.
+
+    Args:
+        root (str | os.PathLike): the publisher's root.
+        version (int | None): the version to rebuild; None: the latest.
+
+    Returns:
+        PublishedVersion: a full version's content (kind ``"full"``, ``deleted`` empty) with the
+        dense part and step of ``version``.
+
+    Raises:
+        PublicationError: no full version at or before ``version``, a missing version in the
+            chain (named), or a damaged file.
+    """
+    versions = list_versions(root)
+    if version is None:
+        if not versions:
+            raise PublicationError(f"no complete version under {os.fspath(root)!r}")
+        version = versions[-1]
+    fulls = [v for v in versions if v <= version and read_manifest(root, v)["kind"] == "full"]
+    if not fulls:
+        raise PublicationError(f"no full version at or before {version} under {os.fspath(root)!r}")
+    state = read_version(root, fulls[-1])
+    for v in range(fulls[-1] + 1, version + 1):
+        if v not in versions:
+            raise PublicationError(f"version {v} is missing under {os.fspath(root)!r}: cannot rebuild {version}")
+        delta = read_version(root, v)
+        if delta.parent != state.version:
+            raise PublicationError(f"version {v} applies on top of {delta.parent}, not {state.version}")
+        state = PublishedVersion(
+            version=v,
+            parent=None,
+            kind="full",
+            step=delta.step,
+            dtype=delta.dtype,
+            tables={name: apply_delta(state.tables[name], t) for name, t in delta.tables.items()},
+            dense=delta.dense,
+            manifest=delta.manifest,
+        )
+    return state
+
+
+def apply_delta(base: PublishedTable, delta: PublishedTable) -> PublishedTable:
+    """``base`` with ``delta``'s deleted ids dropped and its ids' rows written (ids ascending)."""
+    drop = torch.cat([delta.deleted, delta.ids])
+    keep = ~torch.isin(base.ids, drop)
+    ids = torch.cat([base.ids[keep], delta.ids])
+    order = torch.argsort(ids)
+    rows = {k: torch.cat([v[keep], delta.rows[k]])[order] for k, v in base.rows.items()}
+    return PublishedTable(ids[order], rows, torch.zeros(0, dtype=torch.int64))
+
+
+def _merge(parts: list[dict[str, torch.Tensor]], dim: int, dtype: str) -> PublishedTable:
+    empty = encode_rows(torch.zeros(0, dim), dtype)
+    if not parts:
+        return PublishedTable(torch.zeros(0, dtype=torch.int64), empty, torch.zeros(0, dtype=torch.int64))
+    ids = torch.cat([p["ids"] for p in parts])
+    order = torch.argsort(ids)
+    rows = {k: torch.cat([p[k] for p in parts])[order] for k in empty}
+    deleted = torch.cat([p["deleted"] for p in parts]).sort().values
+    return PublishedTable(ids[order], rows, deleted)
+
+
+def _verify(directory: str, files: dict[str, dict[str, int]]) -> None:
+    problems = []
+    for name in sorted(files):
+        path = os.path.join(directory, name)
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            problems.append(f"{path!r} cannot be read: {e.strerror or e}")
+            continue
+        if size != int(files[name]["size"]):
+            problems.append(f"{path!r} has {size} bytes, the manifest recorded {files[name]['size']}")
+        elif checksum(path) != int(files[name]["crc32"]):
+            problems.append(f"{path!r} has another CRC-32 than the manifest recorded (damaged)")
+    if problems:
+        raise PublicationError(f"version {directory!r} is damaged: " + "; ".join(problems))

@@ -1,0 +1,156 @@
+"""What a published version holds of a sharded model, and the files it is written as.
+
+The format itself (layout, manifest, row encodings, the reader) is
+:mod:`recsdk.embedding.publication`; this module reads the model: its hash tables' configs,
+its dense part, and the rows of a :class:`~recsdk.embedding.change_tracker.ChangeSnapshot`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsdk.embedding import HashEmbeddingBagConfig
+from recsdk.embedding.change_tracker import ChangeSnapshot
+from recsdk.embedding.publication import DENSE_FILE, encode_rows, table_file
+from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.checkpoint.errors import os_reason
+from recsdk.sharding.checkpoint.layout import HashModule, hash_weight_keys
+
+__all__ = ["dense_state", "differences", "table_descriptions", "write_dense", "write_table"]
+
+
+def table_descriptions(modules: Mapping[str, HashModule]) -> dict[str, dict[str, Any]]:
+    """Per table name, what a manifest records of its config (and a consumer needs to look it up).
+
+    Raises:
+        ValueError: two hash modules have a table of the same name, or there is no hash table.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, module in modules.items():
+        for name, cfg in module.table_configs.items():
+            if name in out:
+                raise ValueError(
+                    f"table {name!r} is in hash modules {out[name]['module']!r} and {fqn!r}; "
+                    "publishing needs distinct table names"
+                )
+            bag = isinstance(cfg, HashEmbeddingBagConfig)
+            out[name] = {
+                "module": fqn,
+                "kind": "bag" if bag else "unpooled",
+                "embedding_dim": int(cfg.embedding_dim),
+                "num_embeddings": int(cfg.num_embeddings),
+                "feature_names": list(cfg.feature_names),
+                "pooling": cfg.pooling.name if bag else None,
+                "data_type": cfg.data_type.name,
+            }
+    if not out:
+        raise ValueError("the model holds no sharded hash table (HashEmbeddingBagCollection, HashEmbeddingCollection)")
+    return out
+
+
+def dense_state(model: nn.Module, modules: Mapping[str, HashModule], rank: int) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer outside the hash tables, whole, by the unsharded model's
+    state_dict names (``DistributedModelParallel`` gives them so), as CPU copies on rank 0
+    (``{}`` on the other ranks). Collective: a plain TorchRec table sharded over the ranks is
+    gathered to rank 0 (its ``ShardedTensor.gather``, over the tensor's own group).
+
+    Raises:
+        TypeError: a tensor outside the hash tables is neither a tensor nor a ``ShardedTensor``.
+    """
+    hash_keys = hash_weight_keys(modules)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if key in hash_keys:
+            continue
+        if compat.is_sharded_tensor(value):
+            whole = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=whole)
+            if whole is not None:
+                out[key] = whole
+            continue
+        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+            raise TypeError(
+                f"state_dict entry {key!r} is a {type(value).__name__}: a publication holds recsdk's hash tables "
+                "by id and every other tensor whole (plain tensors, or ShardedTensors gathered)"
+            )
+        if rank == 0:
+            out[key] = value.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def differences(
+    manifest: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], dense: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """How the model differs from the one a root's manifest describes (``[]``: the same model).
+
+    Compared: the table names, each table's kind, dim, features and pooling, and the dense
+    tensors' names and shapes (a table's capacity may change between jobs).
+    """
+    where = f"version {manifest.get('version')}"
+    problems: list[str] = []
+    theirs: Mapping[str, Mapping[str, Any]] = manifest.get("tables", {})
+    for name in sorted(set(theirs) - set(tables)):
+        problems.append(f"table {name!r} is in {where}, not in this model")
+    for name in sorted(set(tables) - set(theirs)):
+        problems.append(f"table {name!r} is in this model, not in {where}")
+    for name in sorted(set(tables) & set(theirs)):
+        for key in ("kind", "embedding_dim", "feature_names", "pooling"):
+            if theirs[name].get(key) != tables[name][key]:
+                theirs_value, ours = theirs[name].get(key), tables[name][key]
+                problems.append(f"table {name!r}: {key} is {theirs_value!r} in {where}, {ours!r} in this model")
+    published = manifest.get("dense", {}).get("tensors", {})
+    for key in sorted(set(published) - set(dense)):
+        problems.append(f"dense tensor {key!r} is in {where}, not in this model")
+    for key in sorted(set(dense) - set(published)):
+        problems.append(f"dense tensor {key!r} is in this model, not in {where}")
+    for key in sorted(set(dense) & set(published)):
+        if list(published[key]["shape"]) != list(dense[key].shape):
+            problems.append(
+                f"dense tensor {key!r}: shape {list(published[key]['shape'])} in {where}, "
+                f"{list(dense[key].shape)} in this model"
+            )
+    return problems
+
+
+def write_table(directory: str, table: str, rank: int, snap: ChangeSnapshot, weights: torch.Tensor, dtype: str) -> str:
+    """Write one table shard's file of a version: the snapshot's ids (ascending) with ``weights``
+    (``[n, dim]``, in the snapshot's order) encoded as ``dtype``, and its deleted ids.
+
+    Returns:
+        str: the file's path relative to ``directory``.
+
+    Raises:
+        OSError: the write failed; names the file.
+    """
+    ids = snap.ids.to("cpu")
+    order = torch.argsort(ids)
+    tensors = encode_rows(weights.to("cpu")[order], dtype)
+    tensors["ids"] = ids[order].contiguous()
+    tensors["deleted"] = snap.deleted.to("cpu").sort().values.contiguous()
+    name = table_file(table, rank)
+    _save(os.path.join(directory, name), tensors, {"table": table, "rank": str(rank)})
+    return name
+
+
+def write_dense(directory: str, dense: Mapping[str, torch.Tensor]) -> str:
+    """Write the dense part; returns the file's path relative to ``directory``."""
+    _save(os.path.join(directory, DENSE_FILE), dict(dense), {})
+    return DENSE_FILE
+
+
+def _save(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file, flushed to disk."""
+    from safetensors.torch import save_file
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(tensors, path, metadata=metadata)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(e.errno, f"{os_reason(e)} writing {path!r}; the version was not published") from e

@@ -1,0 +1,344 @@
+"""``Publisher``: a sharded model published to serving as numbered versions, full or deltas.
+
+Every :meth:`Publisher.publish` writes the next version under the root (the format:
+:mod:`recsdk.embedding.publication`). Its steps, on every rank:
+
+1. rank 0 reads the root's latest version; the model is checked against it (another model's
+   publications are refused, naming every difference, before anything is written); the kind
+   is agreed: full for version 0, every ``full_every``-th version, a new dtype, and whenever
+   some table's change tracker cannot prove it went out in the latest version (a new job, a
+   checkpoint load, a failed publish of a full version);
+2. each rank snapshots its id tables' changes under its host stage's lock
+   (:meth:`~recsdk.sharding.HostShardedModule.change_snapshots`), so a pipeline's host thread
+   keeps mapping meanwhile; training is between steps, so the rows do not change;
+3. each rank writes its table files into the version's partial directory (rank 0 also the dense
+   part), checksums them, and rank 0 writes the manifest last and renames the directory
+   (the checkpoint code's :func:`~recsdk.sharding.checkpoint.publish.publish_directory`);
+4. only then do the trackers commit (what the version held counts as published). A failure on
+   any rank raises on every rank, removes the partial directory and commits nothing: the next
+   version carries those changes.
+
+The publisher's collectives run on a gloo group of its own, so that a pipeline's host thread,
+running the id all-to-alls on the host group, never interleaves with them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recsdk.embedding.change_tracker import ChangeSnapshot
+from recsdk.embedding.publication import (
+    DENSE_FILE,
+    FORMAT_VERSION,
+    PUBLICATION_FORMAT,
+    PUBLICATION_MANIFEST,
+    list_versions,
+    read_manifest,
+    version_path,
+)
+from recsdk.sharding.checkpoint import files
+from recsdk.sharding.checkpoint.comm import Comm
+from recsdk.sharding.checkpoint.layout import HashModule, hash_modules
+from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
+from recsdk.sharding.publication_files import dense_state, differences, table_descriptions, write_dense, write_table
+
+__all__ = ["PublishRecord", "Publisher"]
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.uint8: "uint8"}
+
+
+@dataclass(frozen=True)
+class PublishRecord:
+    """One version a :class:`Publisher` wrote (all ranks together).
+
+    Attributes:
+        version (int): its number.
+        kind (str): ``"full"`` or ``"delta"``.
+        step (int): the training step given to :meth:`Publisher.publish`.
+        ids (int): ids written with their rows.
+        deleted (int): ids deleted (a delta).
+        bytes (int): bytes of its files.
+        seconds (float): wall time of the publish on this rank.
+    """
+
+    version: int
+    kind: str
+    step: int
+    ids: int
+    deleted: int
+    bytes: int
+    seconds: float
+
+
+class Publisher:
+    """Publishes a sharded model's hash tables and dense part as versions under ``root``.
+
+    Collective like the checkpoint functions: every rank constructs it at the same point, and
+    calls :meth:`publish` between training steps (a plain loop, or between a
+    ``HybridTrainPipelineSparseDist``'s ``progress`` calls: batches mapped ahead are fine).
+    Construction starts change tracking on every id table (a few bytes per row, a stamp per
+    trained row per step).
+
+    Args:
+        model (nn.Module): the ``DistributedModelParallel`` with recsdk's sharded hash modules.
+        root (str | os.PathLike): the directory of the versions (created if missing; its parent
+            must exist); the same path on every rank, on a file system all share.
+        full_every (int): every ``full_every``-th version (0, ``full_every``, ...) is full.
+        dtype (torch.dtype): the rows' dtype: ``torch.float32``, ``torch.float16``, or
+            ``torch.uint8`` (FBGEMM's row-wise 8-bit quantization with a float32 scale and bias
+            per row, as TorchRec's quantized tables).
+        keep (int | None): versions to keep; None keeps those since the latest full one. Never
+            removes one needed to rebuild the latest from its full version.
+
+    Raises:
+        TypeError: an argument of the wrong type, an unsharded hash module, or a sharded tensor
+            outside the hash tables.
+        ValueError: a bad ``full_every``/``keep``/``dtype``; tables of the same name in two
+            modules; ``root`` holding another model's versions (every difference named).
+
+    Example::
+
+        publisher = Publisher(ddp_model, "publish/", full_every=24, dtype=torch.float16)
+        for step, batch in enumerate(loader):
+            train_step(batch)
+            if step % 1000 == 999:
+                version = publisher.publish(step=step)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        root: str | os.PathLike[str],
+        *,
+        full_every: int = 24,
+        dtype: torch.dtype = torch.float32,
+        keep: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(root, str | os.PathLike):
+            raise TypeError(f"root must be a path, got {type(root).__name__}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be an int >= 1, got {full_every!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype!r}")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
+        self._model = model
+        self._modules: dict[str, HashModule] = hash_modules(model)
+        self._tables = table_descriptions(self._modules)
+        self.root = os.path.abspath(os.fspath(root))
+        self.full_every = full_every
+        self.dtype = _DTYPES[dtype]
+        self.keep = keep
+        self.records: list[PublishRecord] = []
+        """Every version this publisher wrote, oldest first."""
+        distributed = dist.is_available() and dist.is_initialized()
+        self._group = dist.new_group(backend="gloo") if distributed else None
+        comm = self._comm()
+        dense = dense_state(model, self._modules, comm.rank)
+        problems = comm.broadcast(comm.run(self._on_rank0, comm, self._check_root, dense))
+        if problems:
+            raise ValueError(
+                f"publish root {self.root!r} holds another model's versions: " + "; ".join(problems) + ". "
+                "Publish this model to another root"
+            )
+        for module in self._modules.values():
+            module.track_changes()
+
+    def publish(self, *, step: int) -> int:
+        """Write the next version (collective: every rank, between steps).
+
+        Args:
+            step (int): the training step, recorded in the manifest.
+
+        Returns:
+            int: the version written.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0, or the root now holds another model's
+                versions (nothing written).
+            OSError: writing failed on this rank (e.g. ``errno.ENOSPC``), naming the file;
+                ``CheckpointError`` on the other ranks. Nothing is published, the partial
+                directory is removed and the changes go into the next version.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        started = time.time()
+        comm = self._comm()
+        dense = dense_state(self._model, self._modules, comm.rank)
+        latest_token = self._tokens()
+        plan = comm.broadcast(comm.run(self._on_rank0, comm, self._plan, dense))
+        if plan["problems"]:
+            raise ValueError(
+                f"publish root {self.root!r} holds another model's versions: " + "; ".join(plan["problems"])
+            )
+        continuous = all(
+            tokens == {plan["token"]} and plan["token"] is not None and plan["dtype"] == self.dtype
+            for tokens in comm.gather(latest_token)
+        )
+        version = plan["version"]
+        full = version % self.full_every == 0 or not continuous
+        final = version_path(self.root, version)
+        tmp = begin_directory(final, comm, "publication")
+        snapshots = {fqn: module.change_snapshots(full=full) for fqn, module in self._modules.items()}
+        try:
+            written = comm.run(self._write, tmp, snapshots, dense, comm.rank)
+            everyone = comm.gather(written)
+            records = {
+                name: r
+                for part in comm.gather(comm.run(files.describe, tmp, written["files"]))
+                for name, r in part.items()
+            }
+            manifest = self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
+        except BaseException:
+            if comm.failed_together:
+                discard_directory(tmp, comm)
+            raise
+        publish_directory(tmp, final, PUBLICATION_MANIFEST, manifest, comm, started=started)
+        for fqn, module in self._modules.items():
+            module.commit_changes(snapshots[fqn], plan["new_token"])
+        if comm.rank == 0:
+            self._retire()
+        record = PublishRecord(
+            version=version,
+            kind="full" if full else "delta",
+            step=step,
+            ids=sum(t["upserted"] for t in manifest["tables"].values()),
+            deleted=sum(t["deleted"] for t in manifest["tables"].values()),
+            bytes=sum(int(r["size"]) for r in records.values()),
+            seconds=time.time() - started,
+        )
+        self.records.append(record)
+        return version
+
+    # ------------------------------------------------------------------ steps
+
+    def _comm(self) -> Comm:
+        return Comm(self._group, what=f"publishing to {self.root!r}")
+
+    @staticmethod
+    def _on_rank0(comm: Comm, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on rank 0 (run through ``comm.run`` by every rank: its failure is agreed)."""
+        return fn(*args) if comm.rank == 0 else None
+
+    def _tokens(self) -> set[str | None]:
+        """The tokens of the versions this rank's tables last went out in."""
+        return {
+            t.changes.token if t.changes is not None else None
+            for m in self._modules.values()
+            for t in m.id_tables.values()
+        }
+
+    def _check_root(self, dense: dict[str, torch.Tensor]) -> list[str]:
+        """Rank 0: create the root; how this model differs from the latest version's."""
+        os.makedirs(self.root, exist_ok=True)
+        versions = list_versions(self.root)
+        if not versions:
+            return []
+        return differences(read_manifest(self.root, versions[-1]), self._tables, dense)
+
+    def _plan(self, dense: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Rank 0: the next version's number, the latest's token and dtype, a new token."""
+        problems = self._check_root(dense)
+        versions = list_versions(self.root)
+        latest = read_manifest(self.root, versions[-1]) if versions else {}
+        return {
+            "problems": problems,
+            "version": versions[-1] + 1 if versions else 0,
+            "token": latest.get("token"),
+            "dtype": latest.get("dtype"),
+            "new_token": secrets.token_hex(8),
+        }
+
+    def _write(
+        self, tmp: str, snapshots: dict[str, dict[str, ChangeSnapshot]], dense: dict[str, torch.Tensor], rank: int
+    ) -> dict[str, Any]:
+        """This rank's files of the version; their names and counts per table."""
+        names: list[str] = []
+        counts: dict[str, tuple[int, int]] = {}
+        for fqn, module in self._modules.items():
+            for table, snap in snapshots[fqn].items():
+                weights = module.read_rows(table, snap.rows)
+                names.append(write_table(tmp, table, rank, snap, weights, self.dtype))
+                counts[table] = (int(snap.ids.numel()), int(snap.deleted.numel()))
+        if rank == 0:
+            names.append(write_dense(tmp, dense))
+        return {"files": names, "counts": counts}
+
+    def _manifest(
+        self,
+        version: int,
+        full: bool,
+        step: int,
+        token: str,
+        everyone: list[dict[str, Any]],
+        dense: dict[str, torch.Tensor],
+        records: dict[str, dict[str, int]],
+        world: int,
+    ) -> dict[str, Any]:
+        tables: dict[str, dict[str, Any]] = {}
+        for name, description in self._tables.items():
+            table_files = sorted({f for w in everyone for f in w["files"] if f.startswith(f"tables/{name}/")})
+            counts = [w["counts"][name] for w in everyone if name in w["counts"]]
+            tables[name] = {
+                **description,
+                "upserted": sum(c[0] for c in counts),
+                "deleted": sum(c[1] for c in counts),
+                "files": table_files,
+            }
+        return {
+            "format": PUBLICATION_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "version": version,
+            "parent": None if full else version - 1,
+            "kind": "full" if full else "delta",
+            "step": step,
+            "token": token,
+            "created_unix": time.time(),
+            "world_size": world,
+            "dtype": self.dtype,
+            "tables": tables,
+            "dense": {
+                "file": DENSE_FILE,
+                "tensors": {
+                    k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in dense.items()
+                },
+            },
+            "files": dict(sorted(records.items())),
+        }
+
+    def _retire(self) -> None:
+        """Rank 0, after publishing: remove the versions retention no longer keeps (best effort:
+        the manifest first, so a half-removed version is never taken for a complete one)."""
+        versions = list_versions(self.root)
+        fulls = [v for v in versions if _kind(self.root, v) == "full"]
+        floor = max(fulls) if fulls else versions[0]  # the latest full version, and every delta after it
+        if self.keep is not None:
+            floor = min(floor, versions[max(0, len(versions) - self.keep)])
+        for v in versions:
+            if v >= floor:
+                break
+            path = version_path(self.root, v)
+            try:
+                os.remove(os.path.join(path, PUBLICATION_MANIFEST))
+            except OSError:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _kind(root: str, version: int) -> str | None:
+    try:
+        return str(read_manifest(root, version)["kind"])
+    except Exception:
+        return None
