@@ -52,6 +52,7 @@ __all__ = [
     "remap_ids",
     "set_threads",
     "shard",
+    "slowest_rank_seconds",
     "table_configs",
     "train_samples_per_s",
 ]
@@ -268,6 +269,16 @@ def remap_ids(per_rank: list[list[Batch]], features: Sequence[str] | Mapping[str
             mapped.append(Batch(b.dense_features, remapped, b.labels))
         out.append(mapped)
     return out
+
+
+def slowest_rank_seconds(fn: Any) -> float:
+    """Seconds ``fn()`` takes on the slowest rank (collective: a barrier before, a max after)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
 
 
 def set_threads(threads: int) -> None:

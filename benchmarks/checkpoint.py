@@ -34,11 +34,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import slowest_rank_seconds as _timed
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -134,16 +134,6 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(v) for v in obj)
     return 0
-
-
-def _timed(fn: Any) -> float:
-    """Seconds for ``fn`` on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
 
 
 def _torch_save(obj: Any, path: str, sync: bool) -> None:

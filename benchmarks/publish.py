@@ -17,6 +17,9 @@ id tables filled to ``--ids`` ids in all (fused Adagrad). In the same run, one J
 - ``tracking``: the change tracking's cost per step (tracked model, no publishing, against the
   untracked one), in microseconds and as a fraction of the step.
 
+Training rounds last about ``--round-s`` seconds each (a step count calibrated first, the same
+for all three variants), so a round with deltas publishes ``round-s / publish-every-s`` of them.
+
 Medians over ``--rounds`` interleaved rounds.
 
     python benchmarks/publish.py [--ids 1000000] [--dim 64] [--rounds 5]
@@ -43,6 +46,7 @@ from _common import (
     random_batches,
     set_threads,
     shard,
+    slowest_rank_seconds,
     table_configs,
 )
 
@@ -75,16 +79,6 @@ def _fill(dmp: Any, ids_per_table: int, rank: int, world_size: int) -> None:
         table.insert_at(ids, torch.arange(ids.numel()))
         with torch.no_grad():
             views[name].weight[: ids.numel()].copy_(torch.rand(ids.numel(), views[name].weight.shape[1], generator=gen))
-
-
-def _timed(fn: Any) -> float:
-    """Seconds for ``fn`` on the slowest rank."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
 
 
 def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
@@ -123,10 +117,10 @@ def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, ro
     full_s, export_s, full_bytes = [], [], []
     fulls = Publisher(dmp, os.path.join(root, "full"), full_every=1, keep=1)
     for r in range(args.rounds):
-        full_s.append(_timed(lambda r=r: fulls.publish(step=r)))
+        full_s.append(slowest_rank_seconds(lambda r=r: fulls.publish(step=r)))
         full_bytes.append(fulls.records[-1].bytes)
         path = os.path.join(root, f"export{r}")
-        export_s.append(_timed(lambda path=path: export_embeddings(dmp, path)))
+        export_s.append(slowest_rank_seconds(lambda path=path: export_embeddings(dmp, path)))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path)
@@ -146,7 +140,7 @@ def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, ro
         for r in range(args.rounds):
             changed = torch.tensor([_change(dmp, share, rank, r)])
             dist.all_reduce(changed)
-            seconds.append(_timed(lambda r=r: deltas.publish(step=r)))
+            seconds.append(slowest_rank_seconds(lambda r=r: deltas.publish(step=r)))
             record = deltas.records[-1]
             sizes.append(record.bytes)
             extra.append(record.ids + record.deleted - int(changed))
@@ -179,44 +173,48 @@ def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -
     for module in sharded_hash_modules(plain).values():  # the baseline: no tracking at all
         assert all(t.changes is None for t in module.id_tables.values())
 
-    def train(dmp: Any, opt: Any, steps: int, publish_every_s: float | None) -> tuple[float, int]:
-        """Seconds (slowest rank) for ``steps`` steps, publishing a delta each ``publish_every_s``."""
+    def train(dmp: Any, opt: Any, steps: int, publish_every: int | None) -> tuple[float, int]:
+        """Seconds (slowest rank) for ``steps`` steps, publishing a delta every ``publish_every`` steps."""
         published = 0
         dist.barrier()
-        start = last = time.perf_counter()
-        for i in range(steps):
+        start = time.perf_counter()
+        for i in range(1, steps + 1):
             loss, _ = dmp(batches[i % len(batches)])
             loss.backward()
             opt.step()
             opt.zero_grad()
-            if publish_every_s is not None:
-                now = torch.tensor([time.perf_counter() - last])
-                dist.broadcast(now, 0)  # the same decision on every rank
-                if float(now) >= publish_every_s:
-                    publisher.publish(step=i)
-                    published += 1
-                    last = time.perf_counter()
+            if publish_every is not None and i % publish_every == 0:
+                publisher.publish(step=i)
+                published += 1
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed), published
 
     train(plain, plain_opt, 5, None)
     train(tracked, tracked_opt, 5, None)
+    # Steps are counted, not timed, so that every rank publishes at the same step: a round lasts
+    # about --round-s seconds and a delta comes every --publish-every-s seconds of training.
+    per_step = train(plain, plain_opt, 20, None)[0] / 20
+    steps = max(1, int(args.round_s / per_step))
+    publish_every = max(1, int(args.publish_every_s / per_step))
     base, with_deltas, tracked_only, publishes = [], [], [], []
     for _ in range(args.rounds):
-        base.append(train(plain, plain_opt, args.steps, None)[0])
-        seconds, n = train(tracked, tracked_opt, args.steps, args.publish_every_s)
+        base.append(train(plain, plain_opt, steps, None)[0])
+        seconds, n = train(tracked, tracked_opt, steps, publish_every)
         with_deltas.append(seconds)
         publishes.append(n)
-        tracked_only.append(train(tracked, tracked_opt, args.steps, None)[0])
-    samples = args.steps * BATCH * world_size
-    step_base = statistics.median(base) / args.steps
-    step_tracked = statistics.median(tracked_only) / args.steps
+        tracked_only.append(train(tracked, tracked_opt, steps, None)[0])
+    samples = steps * BATCH * world_size
+    step_base = statistics.median(base) / steps
+    step_tracked = statistics.median(tracked_only) / steps
     return {
         "training": {
             "samples_per_s": samples / statistics.median(with_deltas),
             "baseline_samples_per_s": samples / statistics.median(base),
+            "steps_per_round": steps,
             "deltas_per_round": statistics.median(publishes),
+            "delta_seconds": statistics.median(r.seconds for r in publisher.records[1:]),
+            "delta_ids": statistics.median(r.ids for r in publisher.records[1:]),
         },
         "tracking": {
             "us_per_step": (step_tracked - step_base) * 1e6,
@@ -231,7 +229,7 @@ def main() -> None:
     parser.add_argument("--tables", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=150, help="training steps per round")
+    parser.add_argument("--round-s", type=float, default=12.0, help="seconds of training per round and variant")
     parser.add_argument("--publish-every-s", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = parser.parse_args()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from recsdk.data import CRITEO_SPARSE_FEATURES, write_synthetic_criteo
+from recsdk.embedding import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "little_demo" / "main.py"
@@ -110,10 +111,11 @@ def test_a_device_cache_trains_the_same_model(
     tmp_path: Path, random_run: tuple[subprocess.CompletedProcess[str], dict]
 ) -> None:
     # The row-wise tables (user, item) keep every row in host memory and a quarter in the fused
-    # kernel: a lossless cache, so the run is the all-resident run, bit for bit.
-    out = tmp_path / "out"
+    # kernel: a lossless cache, so the run is the all-resident run, bit for bit. The run also
+    # publishes versions for serving, which changes nothing in the training.
+    out, published = tmp_path / "out", tmp_path / "publish"
     flags = ["--world-size", "2", "--steps", str(RANDOM_STEPS), "--eval-every", "20", "--cache-load-factor", "0.25"]
-    proc = run_demo(*flags, "--out", str(out))
+    proc = run_demo(*flags, "--out", str(out), "--publish-dir", str(published), "--publish-every", "20")
     assert proc.returncode == 0, proc.stderr[-4000:]
     cached = check_summary(out, steps=RANDOM_STEPS)
     resident = random_run[1]
@@ -125,6 +127,17 @@ def test_a_device_cache_trains_the_same_model(
         assert stats["swap_ins"] > stats["cache_slots"] and 0.0 < stats["cache_hit_rate"] < 1.0, (name, stats)
         assert stats["store_rows_used"] == stats["size"]
     assert "cache hit rate" in proc.stdout
+    # A version every 20 steps: full, then deltas; the last one rebuilt holds every id trained.
+    assert [(r["version"], r["kind"], r["step"]) for r in cached["published"]] == [
+        (0, "full", 20),
+        (1, "delta", 40),
+        (2, "delta", 60),
+    ]
+    state = replay(published)
+    assert {name: t.ids.numel() for name, t in state.tables.items()} == {
+        name: s["size"] for name, s in cached["tables"].items()
+    }
+    assert "published 3 versions" in proc.stdout
 
 
 def test_demo_on_a_criteo_file(tmp_path: Path) -> None:

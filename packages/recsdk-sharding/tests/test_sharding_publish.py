@@ -13,17 +13,27 @@ from publish_helpers import compare, true_state
 from sharding_models import SparseNN, shard, synthetic_data
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import CacheAlgorithm, CacheParams
+from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsdk.data.testing import run_distributed
-from recsdk.embedding import HashEmbeddingBagConfig, LRUEviction, PublicationError, TTLEviction, read_version
+from recsdk.embedding import (
+    CountAdmission,
+    HashEmbeddingBagConfig,
+    LFUEviction,
+    LRUEviction,
+    PublicationError,
+    TTLEviction,
+    read_version,
+)
 from recsdk.sharding import Publisher, load_checkpoint, save_checkpoint
 
 BATCH = 32
 
 
-def _tables(dims: tuple[int, int] = (8, 16)) -> list[HashEmbeddingBagConfig]:
-    """t0: an LRU table smaller than its ids (evicts, ids come back); t1: a TTL table (ids expire)."""
+def _tables(dims: tuple[int, int] = (8, 16), fp16: bool = False) -> list[HashEmbeddingBagConfig]:
+    """t0: an LRU table smaller than its ids (evicts, ids come back); t1: a TTL table (ids expire),
+    admitting an id at its second sighting, its rows in fp16 with ``fp16``."""
     return [
         HashEmbeddingBagConfig(
             name="t0", embedding_dim=dims[0], num_embeddings=300, feature_names=["f0"], eviction=LRUEviction()
@@ -34,13 +44,15 @@ def _tables(dims: tuple[int, int] = (8, 16)) -> list[HashEmbeddingBagConfig]:
             num_embeddings=600,
             feature_names=["f1"],
             eviction=TTLEviction(max_idle_steps=3),
+            admission=CountAdmission(threshold=2),
+            data_type=DataType.FP16 if fp16 else DataType.FP32,
         ),
     ]
 
 
-def build(sharding: str, cached: bool = False, dims: tuple[int, int] = (8, 16)):
+def build(sharding: str, cached: bool = False, dims: tuple[int, int] = (8, 16), fp16: bool = False):
     torch.manual_seed(3)
-    model = SparseNN(_tables(dims), num_dense=4, device="meta")
+    model = SparseNN(_tables(dims, fp16), num_dense=4, device="meta")
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05, "eps": 0.01})
     cache = CacheParams(load_factor=0.5, algorithm=CacheAlgorithm.LRU) if cached else None
     constraints = {
@@ -63,9 +75,9 @@ def train(dmp, dense_opt, batches) -> None:
         dense_opt.zero_grad()
 
 
-def _schedule(rank: int, world_size: int, root: str, sharding: str, cached: bool, dtype: str) -> dict:
+def _schedule(rank: int, world_size: int, root: str, sharding: str, cached: bool, dtype: str, fp16: bool) -> dict:
     torch.set_num_threads(1)
-    dmp, opt = build(sharding, cached)
+    dmp, opt = build(sharding, cached, fp16=fp16)
     publisher = Publisher(dmp, os.path.join(root, "pub"), full_every=4, dtype=getattr(torch, dtype))
     data = iter(synthetic_data(rank, world_size, 60, BATCH // world_size, sample_seed=5))
     schedule = random.Random(17)  # the same on every rank
@@ -90,19 +102,23 @@ def sharded_stats(dmp) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("sharding", "cached", "dtype"),
+    ("sharding", "cached", "dtype", "fp16"),
     [
-        ("row_wise", False, "float32"),
-        ("table_wise", False, "float32"),
-        ("row_wise", True, "float32"),
-        ("row_wise", False, "float16"),
-        ("table_wise", False, "uint8"),
+        ("row_wise", False, "float32", False),
+        ("table_wise", False, "float32", False),
+        ("row_wise", True, "float32", False),
+        ("row_wise", False, "float32", True),
+        ("row_wise", False, "float16", False),
+        ("table_wise", False, "uint8", False),
     ],
 )
 def test_replaying_full_and_deltas_gives_the_model_at_every_version(
-    tmp_path: Path, sharding: str, cached: bool, dtype: str
+    tmp_path: Path, sharding: str, cached: bool, dtype: str, fp16: bool
 ) -> None:
-    results = run_distributed(_schedule, 2, str(tmp_path), sharding, cached, dtype)
+    """A random schedule of training and publishing on small LRU and TTL tables (ids evicted,
+    expired, not yet admitted, and back): replaying the versions gives the model's state at
+    each (bit for bit in fp32; fp16 within its rounding; int8 within half a quantization step)."""
+    results = run_distributed(_schedule, 2, str(tmp_path), sharding, cached, dtype, fp16)
     r = results[0]
     assert r["problems"] == [], r["problems"]
     assert r["kinds"] == ["full", "delta", "delta", "delta", "full", "delta", "delta", "delta", "full"]
@@ -308,3 +324,33 @@ def _retention(rank: int, world_size: int, root: str, keep: int | None) -> list[
 @pytest.mark.parametrize(("keep", "kept"), [(None, [3, 4, 5]), (5, [1, 2, 3, 4, 5]), (1, [3, 4, 5])])
 def test_retention_keeps_what_rebuilds_the_latest(tmp_path: Path, keep: int | None, kept: list[int]) -> None:
     assert run_distributed(_retention, 1, str(tmp_path / "pub"), keep)[0] == kept
+
+
+# ---- unpooled tables ---------------------------------------------------------------------------
+
+
+def _unpooled(rank: int, world_size: int, root: str, sharding: str) -> dict:
+    from test_sharding_hash_ec import _batch, _sharded_model, _slice
+
+    torch.set_num_threads(1)
+    dmp, _ = _sharded_model(sharding, capacity=160, admission=CountAdmission(threshold=2), eviction=LFUEviction())
+    publisher = Publisher(dmp, os.path.join(root, "pub"), full_every=3)
+    problems = []
+    for step in range(10):
+        loss, _ = dmp(_slice(_batch(32, seed=step), rank, world_size))
+        loss.backward()
+        if step % 2:
+            version = publisher.publish(step=step)
+            truth = true_state(dmp, os.path.join(root, f"export{step}"))
+            if rank == 0:
+                problems += compare(os.path.join(root, "pub"), version, truth)
+    return {"problems": problems, "records": publisher.records}
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+def test_unpooled_tables_publish_exactly(tmp_path: Path, sharding: str) -> None:
+    """HashEmbeddingCollection tables with count-min admission and LFU eviction."""
+    r = run_distributed(_unpooled, 2, str(tmp_path), sharding)[0]
+    assert r["problems"] == [], r["problems"]
+    assert [rec.kind for rec in r["records"]] == ["full", "delta", "delta", "full", "delta"]
+    assert sum(rec.deleted for rec in r["records"]) > 0, r["records"]

@@ -26,6 +26,7 @@ import torch
 
 from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.embedding.count_sketch import CountMinSketch
+from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
 from recsdk.embedding.id_table_state import (
     _INT32_MAX,
     _MAX_CAPACITY,
@@ -42,14 +43,7 @@ from recsdk.embedding.slot_index import FbgemmSlotIndex, TorchSlotIndex, make_sl
 __all__ = ["IdTable", "TableFullError"]
 
 
-class TableFullError(RuntimeError):
-    """Raised when an id table has no row for a new id and cannot free one.
-
-    The table is left exactly as it was before the failing call.
-    """
-
-
-class IdTable(IdTableState):
+class IdTable(IdTableState, IdTableEviction):
     """Collision-free map from raw int64 ids to rows in ``[0, capacity)``.
 
     Two different ids never share a row, and an id keeps its row until it is evicted. Every
@@ -360,34 +354,6 @@ class IdTable(IdTableState):
         """Number of rows with at least one pin."""
         return int((self._pins[: max(self._high_water, self._pin_end)] > 0).sum())
 
-    def evict_idle(self, max_idle_steps: int | None = None) -> torch.Tensor:
-        """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep).
-
-        Does not advance the step clock. Rows used at the latest step are never idle.
-
-        Args:
-            max_idle_steps (int | None): defaults to the table's :class:`TTLEviction` setting.
-
-        Returns:
-            torch.Tensor: the freed rows (int64, ascending).
-        """
-        if self._eviction is None:
-            raise ValueError(
-                f"IdTable '{self._name}': evict_idle needs an eviction policy (none is set, so the table "
-                "keeps no idle metadata)"
-            )
-        if max_idle_steps is None:
-            if not isinstance(self._eviction, TTLEviction):
-                raise ValueError(
-                    f"IdTable '{self._name}': evict_idle() without max_idle_steps needs a TTLEviction policy, "
-                    f"the table has {self._eviction}"
-                )
-            max_idle_steps = self._eviction.max_idle_steps
-        if isinstance(max_idle_steps, bool) or not isinstance(max_idle_steps, int) or max_idle_steps < 0:
-            raise ValueError(f"IdTable '{self._name}': max_idle_steps must be an int >= 0, got {max_idle_steps!r}")
-        self._check_usable()
-        return self._sweep_idle(max_idle_steps, force=True)
-
     def remove(self, ids: torch.Tensor) -> torch.Tensor:
         """Remove ids from the table and free their rows (e.g. to move them to another table).
 
@@ -447,77 +413,6 @@ class IdTable(IdTableState):
         self._check_usable()
         rows = (self._row_state[: self._high_water] == _OCCUPIED).nonzero().squeeze(1)
         return self._row_id[rows].clone(), rows
-
-    def insert_at(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        *,
-        last_step: torch.Tensor | None = None,
-        freq: torch.Tensor | None = None,
-    ) -> None:
-        """Store given ``(id, row)`` pairs, e.g. to rebuild a table from another one's ids.
-
-        Bypasses admission. The rows are not reported by :meth:`take_reassigned_rows`: the caller
-        provides their embedding values.
-
-        Args:
-            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
-            rows (torch.Tensor): integer ``[n]`` distinct free rows in ``[0, capacity)``.
-            last_step (torch.Tensor | None): int ``[n]`` step each id was last used; defaults to the current step.
-            freq (torch.Tensor | None): int ``[n]`` LFU frequencies; defaults to 1.
-
-        Raises:
-            ValueError: on any of the conditions above (the table is left unchanged).
-        """
-        flat, _ = self._as_ids(ids, "insert_at")
-        rows = self._as_rows(rows, "insert_at", allow_missing=False)
-        n = flat.numel()
-        if rows.numel() != n:
-            raise ValueError(f"IdTable '{self._name}': insert_at got {n} ids but {rows.numel()} rows")
-        meta = {}
-        for key, value in (("last_step", last_step), ("freq", freq)):
-            if value is not None:
-                value = torch.as_tensor(value).reshape(-1).to(self._device)
-                if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
-                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be {n} integers")
-                if bool(((value < 0) | (value > _INT32_MAX)).any()):
-                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be in [0, {_INT32_MAX}]")
-                meta[key] = value.to(torch.int32)
-        if n == 0:
-            return
-        if flat.unique().numel() != n:
-            raise ValueError(f"IdTable '{self._name}': insert_at ids must be distinct")
-        if rows.unique().numel() != n:
-            raise ValueError(f"IdTable '{self._name}': insert_at rows must be distinct")
-        present = self._lookup(flat) >= 0
-        if bool(present.any()):
-            raise ValueError(
-                f"IdTable '{self._name}': insert_at id {int(flat[present][0])} is already in the table; remove it first"
-            )
-        taken = self._row_state[rows] == _OCCUPIED
-        if bool(taken.any()):
-            raise ValueError(f"IdTable '{self._name}': insert_at row {int(rows[taken][0])} already holds an id")
-        # Rows at or above the mark that stay free join the bottom of the stack in the order they
-        # would have gone out (ascending), then the given rows leave the stack.
-        hw, top = self._high_water, max(self._high_water, int(rows.max()) + 1)
-        stack = torch.cat([torch.arange(top - 1, hw - 1, -1, device=self._device), self._free[: self._free_top].long()])
-        if self._tail_retired:
-            self._row_state[hw:top] = _RETIRED
-        self._high_water = top
-        keep = torch.ones(top, dtype=torch.bool, device=self._device)
-        keep[rows] = False
-        stack = stack[keep[stack]]
-        self._free_top = stack.numel()
-        self._free[: self._free_top] = stack.to(torch.int32)
-        self._drop_pending(rows)
-        self._place(flat, rows, step=self._step)
-        self._idle_floor = 0
-        if "last_step" in meta:
-            self._last_step[rows] = meta["last_step"]
-        if "freq" in meta:
-            self._freq[rows] = meta["freq"]
-        self._stats["inserts"] += n
 
     def stats(self) -> dict[str, Any]:
         """Table statistics.
@@ -686,75 +581,6 @@ class IdTable(IdTableState):
         self._free[self._free_top : self._free_top + n] = rows.to(torch.int32)
         self._free_top += n
         self._size -= n
-
-    def _evictable(self) -> torch.Tensor:
-        """Mask of the rows below the high-water mark eviction may free: occupied and unpinned."""
-        hw = self._high_water
-        return (self._row_state[:hw] == _OCCUPIED) & (self._pins[:hw] == 0)
-
-    def _check_room(self, num_new: int, used: torch.Tensor | None) -> torch.Tensor:
-        """Raise TableFullError (before any change) unless eviction can make room for ``num_new`` ids.
-
-        Returns the mask (bool ``[high_water]``) of rows used by the batch, for :meth:`_evict`.
-        """
-        free = self._num_free
-        base = (
-            f"IdTable '{self._name}' (capacity {self._capacity}) is full: {num_new} new ids arrived with "
-            f"{free} free rows"
-        )
-        if self._eviction is None or used is None:
-            raise TableFullError(
-                f"{base} and no eviction policy. Raise the capacity (num_embeddings of table '{self._name}') "
-                "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction)."
-            )
-        hw = self._high_water
-        in_use = torch.zeros(hw + 1, dtype=torch.bool, device=self._device)
-        in_use.index_fill_(0, used.clamp(max=hw), True)  # misses (row ``capacity``) land on entry ``hw``
-        in_use = in_use[:hw]
-        evictable = int((self._evictable() & ~in_use).sum())
-        if free + evictable < num_new:
-            raise TableFullError(
-                f"{base}, and eviction can free only {evictable} rows (the others are pinned or used by this batch). "
-                f"Raise the capacity (num_embeddings of table '{self._name}'), use smaller batches, or pin fewer "
-                "batches."
-            )
-        return in_use
-
-    def _evict(self, count: int, in_use: torch.Tensor) -> torch.Tensor:
-        """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``."""
-        hw = self._high_water
-        blocked = ~self._evictable()
-        blocked |= in_use
-        if isinstance(self._eviction, LFUEviction):
-            key = (self._freq[:hw].long() << 31).bitwise_or_(self._last_step[:hw])
-            key.masked_fill_(blocked, torch.iinfo(torch.int64).max)
-        else:
-            key = self._last_step[:hw].masked_fill(blocked, _INT32_MAX)
-        kth = torch.kthvalue(key, count).values
-        below = (key < kth).nonzero().squeeze(1)
-        ties = (key == kth).nonzero().squeeze(1)[: count - below.numel()]
-        victims = torch.cat([below, ties])
-        self._free_rows(victims)
-        self._stats["evictions"] += count
-        return victims
-
-    def _sweep_idle(self, max_idle_steps: int, force: bool = False) -> torch.Tensor:
-        step = self._step
-        if not force and step - self._idle_floor <= max_idle_steps:
-            return torch.zeros(0, dtype=torch.int64, device=self._device)
-        hw = self._high_water
-        last_step = self._last_step[:hw]
-        occupied = self._row_state[:hw] == _OCCUPIED
-        expired = occupied & (self._pins[:hw] == 0) & (last_step < step - max_idle_steps)
-        rows = expired.nonzero().squeeze(1)
-        if rows.numel():
-            self._free_rows(rows)
-            self._stats["evictions"] += rows.numel()
-            occupied[rows] = False
-        # Rows stored later in this call get last_step == step, so the floor never exceeds it.
-        floor = int(torch.where(occupied, last_step, _INT32_MAX).min()) if hw else step
-        self._idle_floor = min(floor, step)
-        return rows
 
     def _pending_rows(self) -> torch.Tensor:
         if not self._reassigned:

@@ -3,7 +3,8 @@
 What a table's state is as tensors (:meth:`IdTableState.state_dict`), how a state is checked
 and restored (:meth:`~IdTableState.check_state_dict`, :meth:`~IdTableState.load_state_dict`),
 and how a table is rebuilt from ids and their metadata gathered elsewhere
-(:meth:`~IdTableState.rebuild`, e.g. by a checkpoint loaded on another world size). A mixin of
+(:meth:`~IdTableState.rebuild`, e.g. by a checkpoint loaded on another world size), or given
+``(id, row)`` pairs stored (:meth:`~IdTableState.insert_at`). A mixin of
 ``IdTable``: it reads the table's own arrays; nothing outside the table does.
 """
 
@@ -74,6 +75,11 @@ class IdTableState:
         def _as_ids(self, ids: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.Size]: ...
         def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None: ...
         def _pending_rows(self) -> torch.Tensor: ...
+        def _as_rows(self, rows: torch.Tensor, op: str, *, allow_missing: bool) -> torch.Tensor: ...
+        def _lookup(self, ids: torch.Tensor) -> torch.Tensor: ...
+        def _drop_pending(self, rows: torch.Tensor) -> None: ...
+
+        _idle_floor: int
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The table's full state as tensors (pins are runtime state and are not included).
@@ -240,6 +246,77 @@ class IdTableState:
                 "stats": torch.zeros(len(_STAT_NAMES), dtype=torch.int64),
             }
         )
+
+    def insert_at(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        last_step: torch.Tensor | None = None,
+        freq: torch.Tensor | None = None,
+    ) -> None:
+        """Store given ``(id, row)`` pairs, e.g. to rebuild a table from another one's ids.
+
+        Bypasses admission. The rows are not reported by :meth:`take_reassigned_rows`: the caller
+        provides their embedding values.
+
+        Args:
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
+            rows (torch.Tensor): integer ``[n]`` distinct free rows in ``[0, capacity)``.
+            last_step (torch.Tensor | None): int ``[n]`` step each id was last used; defaults to the current step.
+            freq (torch.Tensor | None): int ``[n]`` LFU frequencies; defaults to 1.
+
+        Raises:
+            ValueError: on any of the conditions above (the table is left unchanged).
+        """
+        flat, _ = self._as_ids(ids, "insert_at")
+        rows = self._as_rows(rows, "insert_at", allow_missing=False)
+        n = flat.numel()
+        if rows.numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at got {n} ids but {rows.numel()} rows")
+        meta = {}
+        for key, value in (("last_step", last_step), ("freq", freq)):
+            if value is not None:
+                value = torch.as_tensor(value).reshape(-1).to(self._device)
+                if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
+                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be {n} integers")
+                if bool(((value < 0) | (value > _INT32_MAX)).any()):
+                    raise ValueError(f"IdTable '{self._name}': insert_at {key} must be in [0, {_INT32_MAX}]")
+                meta[key] = value.to(torch.int32)
+        if n == 0:
+            return
+        if flat.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at ids must be distinct")
+        if rows.unique().numel() != n:
+            raise ValueError(f"IdTable '{self._name}': insert_at rows must be distinct")
+        present = self._lookup(flat) >= 0
+        if bool(present.any()):
+            raise ValueError(
+                f"IdTable '{self._name}': insert_at id {int(flat[present][0])} is already in the table; remove it first"
+            )
+        taken = self._row_state[rows] == _OCCUPIED
+        if bool(taken.any()):
+            raise ValueError(f"IdTable '{self._name}': insert_at row {int(rows[taken][0])} already holds an id")
+        # Rows at or above the mark that stay free join the bottom of the stack in the order they
+        # would have gone out (ascending), then the given rows leave the stack.
+        hw, top = self._high_water, max(self._high_water, int(rows.max()) + 1)
+        stack = torch.cat([torch.arange(top - 1, hw - 1, -1, device=self._device), self._free[: self._free_top].long()])
+        if self._tail_retired:
+            self._row_state[hw:top] = _RETIRED
+        self._high_water = top
+        keep = torch.ones(top, dtype=torch.bool, device=self._device)
+        keep[rows] = False
+        stack = stack[keep[stack]]
+        self._free_top = stack.numel()
+        self._free[: self._free_top] = stack.to(torch.int32)
+        self._drop_pending(rows)
+        self._place(flat, rows, step=self._step)
+        self._idle_floor = 0
+        if "last_step" in meta:
+            self._last_step[rows] = meta["last_step"]
+        if "freq" in meta:
+            self._freq[rows] = meta["freq"]
+        self._stats["inserts"] += n
 
     def _check_unpinned(self) -> None:
         """Raise while some rows are pinned (a batch in flight holds them): nothing may replace them."""

@@ -135,7 +135,7 @@ class Publisher:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
         self._model = model
-        self._modules: dict[str, HashModule] = hash_modules(model)
+        self._modules: dict[str, HashModule] = hash_modules(model, what="publications")
         self._tables = table_descriptions(self._modules)
         self.root = os.path.abspath(os.fspath(root))
         self.full_every = full_every

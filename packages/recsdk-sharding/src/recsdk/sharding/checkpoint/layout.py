@@ -79,8 +79,9 @@ class HashModule(Protocol):
     def commit_changes(self, snapshots: dict[str, ChangeSnapshot], token: str) -> None: ...
 
 
-def hash_modules(model: nn.Module) -> dict[str, HashModule]:
-    """Sharded hash modules by FQN (as in ``model.state_dict()`` keys).
+def hash_modules(model: nn.Module, what: str = "checkpoints") -> dict[str, HashModule]:
+    """Sharded hash modules by FQN (as in ``model.state_dict()`` keys); ``what`` names the caller
+    in the error (``"checkpoints"``, ``"publications"``).
 
     Raises:
         TypeError: the model holds an unsharded ``HashEmbeddingBagCollection`` or
@@ -90,7 +91,7 @@ def hash_modules(model: nn.Module) -> dict[str, HashModule]:
         unsharded = isinstance(module, HashEmbeddingBagCollection | HashEmbeddingCollection)
         if unsharded and not isinstance(module, HostShardedModule):
             raise TypeError(
-                f"module {fqn or '<root>'!r} is an unsharded {type(module).__name__}: checkpoints cover hash "
+                f"module {fqn or '<root>'!r} is an unsharded {type(module).__name__}: {what} cover hash "
                 "tables sharded by DistributedModelParallel with recsdk's sharders "
                 "(get_default_hybrid_sharders); shard the model first"
             )
