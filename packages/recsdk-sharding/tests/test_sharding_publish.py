@@ -16,6 +16,7 @@ from torchrec.distributed.types import CacheAlgorithm, CacheParams
 from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import (
     CountAdmission,
@@ -26,7 +27,7 @@ from recsdk.embedding import (
     TTLEviction,
     read_version,
 )
-from recsdk.sharding import Publisher, load_checkpoint, save_checkpoint
+from recsdk.sharding import Publisher, load_checkpoint, save_checkpoint, sharded_hash_modules
 
 BATCH = 32
 
@@ -95,8 +96,6 @@ def _schedule(rank: int, world_size: int, root: str, sharding: str, cached: bool
 
 
 def sharded_stats(dmp) -> dict:
-    from recsdk.sharding import sharded_hash_modules
-
     (module,) = sharded_hash_modules(dmp).values()
     return module.stats()
 
@@ -354,3 +353,26 @@ def test_unpooled_tables_publish_exactly(tmp_path: Path, sharding: str) -> None:
     assert r["problems"] == [], r["problems"]
     assert [rec.kind for rec in r["records"]] == ["full", "delta", "delta", "full", "delta"]
     assert sum(rec.deleted for rec in r["records"]) > 0, r["records"]
+
+
+def _one_table(rank: int, world_size: int, root: str) -> dict:
+    torch.set_num_threads(1)
+    torch.manual_seed(3)
+    model = SparseNN(_tables()[:1], num_dense=4, device="meta")
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05, "eps": 0.01})
+    dmp = shard(model, BATCH // world_size, {"t0": ParameterConstraints(sharding_types=["table_wise"])})
+    opt = torch.optim.SGD(dmp.module.dense.parameters(), lr=0.05)
+    publisher = Publisher(dmp, root, full_every=10)
+    data = iter(synthetic_data(rank, world_size, 6, BATCH // world_size, sample_seed=4))
+    for step in range(3):
+        batch = next(data)  # its f0 only
+        train(dmp, opt, [Batch(batch.dense_features, batch.sparse_features.split([1, 1])[0], batch.labels)])
+        publisher.publish(step=step)
+    holds = len(sharded_hash_modules(dmp)["ebc"].id_tables)
+    return {"kinds": [r.kind for r in publisher.records], "tables_here": holds}
+
+
+def test_a_rank_holding_no_table_does_not_force_full_versions(tmp_path: Path) -> None:
+    results = run_distributed(_one_table, 2, str(tmp_path / "pub"))
+    assert sorted(r["tables_here"] for r in results) == [0, 1]
+    assert results[0]["kinds"] == ["full", "delta", "delta"]

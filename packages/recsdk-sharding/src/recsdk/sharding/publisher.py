@@ -183,9 +183,11 @@ class Publisher:
             raise ValueError(
                 f"publish root {self.root!r} holds another model's versions: " + "; ".join(plan["problems"])
             )
-        continuous = all(
-            tokens == {plan["token"]} and plan["token"] is not None and plan["dtype"] == self.dtype
-            for tokens in comm.gather(latest_token)
+        # A rank holding no table (table-wise) has nothing to prove.
+        continuous = (
+            plan["token"] is not None
+            and plan["dtype"] == self.dtype
+            and all(token == plan["token"] for tokens in comm.gather(latest_token) for token in tokens)
         )
         version = plan["version"]
         full = version % self.full_every == 0 or not continuous
