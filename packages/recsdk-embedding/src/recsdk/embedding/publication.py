@@ -11,9 +11,9 @@ Layout of a version::
     <root>/00000005/tables/<table>/rank-00001.safetensors   # one file per table and rank holding a shard
 
 A table file holds ``ids`` (int64 ``[n]``, ascending) with ``rows`` (``[n, dim]``, float32 or
-float16; or uint8 with ``scale`` and ``bias`` float32 ``[n]``: FBGEMM's row-wise 8-bit
-quantization, ``row = rows * scale + bias``, at most half a step ``scale / 2`` from the value
-trained), and ``deleted`` (int64 ``[m]``, ascending). A **full** version holds every id of every
+float16; or uint8 with ``scale`` and ``bias`` float16 ``[n]``: FBGEMM's row-wise 8-bit
+quantization as TorchRec's quantized tables hold it, ``row = rows * scale + bias``, at most half
+a step ``scale / 2`` from the value trained), and ``deleted`` (int64 ``[m]``, ascending). A **full** version holds every id of every
 table (``deleted`` empty); a **delta** the ids whose rows changed since its parent version
 (``parent = version - 1``) and the ids deleted since it. Apply a delta by dropping its deleted
 ids, then writing its ids' rows. The manifest records the version, its parent, its kind, the
@@ -121,18 +121,20 @@ def encode_rows(weights: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
 
     Args:
         weights (torch.Tensor): float ``[n, dim]`` rows.
-        dtype (str): ``"float32"``, ``"float16"`` or ``"uint8"`` (FBGEMM's row-wise 8-bit
-            quantization: per row ``scale = (max - min) / 255``, ``bias = min``).
+        dtype (str): ``"float32"``, ``"float16"`` or ``"uint8"``: FBGEMM's row-wise 8-bit
+            quantization with a float16 scale and bias per row (``FloatToFusedNBitRowwiseQuantizedSBHalf``,
+            the rows of TorchRec's quantized tables and FBGEMM's inference kernels):
+            ``row = rows * scale + bias``, at most half a step (``scale / 2``) from ``weights``.
     """
     weights = weights.detach().to("cpu")
     if dtype != "uint8":
         return {"rows": weights.to(ROW_DTYPES[dtype]).contiguous()}
     n, dim = weights.shape
     if n == 0:
-        empty = torch.zeros(0, dtype=torch.float32)
+        empty = torch.zeros(0, dtype=torch.float16)
         return {"rows": torch.zeros(0, dim, dtype=torch.uint8), "scale": empty, "bias": empty.clone()}
-    fused = torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(weights.float().contiguous())
-    scale_bias = fused[:, dim:].contiguous().view(torch.float32)
+    fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(weights.float().contiguous(), 8)
+    scale_bias = fused[:, dim:].contiguous().view(torch.float16)
     return {"rows": fused[:, :dim].contiguous(), "scale": scale_bias[:, 0].clone(), "bias": scale_bias[:, 1].clone()}
 
 
@@ -141,7 +143,7 @@ def decode_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     rows = tensors["rows"]
     if rows.dtype != torch.uint8:
         return rows.float()
-    return rows.float() * tensors["scale"].unsqueeze(1) + tensors["bias"].unsqueeze(1)
+    return rows.float() * tensors["scale"].float().unsqueeze(1) + tensors["bias"].float().unsqueeze(1)
 
 
 @dataclass

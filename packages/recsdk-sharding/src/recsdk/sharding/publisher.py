@@ -95,7 +95,7 @@ class Publisher:
             must exist); the same path on every rank, on a file system all share.
         full_every (int): every ``full_every``-th version (0, ``full_every``, ...) is full.
         dtype (torch.dtype): the rows' dtype: ``torch.float32``, ``torch.float16``, or
-            ``torch.uint8`` (FBGEMM's row-wise 8-bit quantization with a float32 scale and bias
+            ``torch.uint8`` (FBGEMM's row-wise 8-bit quantization with a float16 scale and bias
             per row, as TorchRec's quantized tables).
         keep (int | None): versions to keep; None keeps those since the latest full one. Never
             removes one needed to rebuild the latest from its full version.
