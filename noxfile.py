@@ -4,7 +4,7 @@ Every session installs the pinned CPU stack from ``requirements/constraints.txt`
 with ``--no-deps`` (its metadata asks for the CUDA ``fbgemm-gpu``) beside ``fbgemm-gpu-cpu``,
 then local packages editable, also with ``--no-deps``: a package's ``tests`` session only the
 recsdk packages its ``pyproject.toml`` declares (dependencies and ``test`` extra, transitively),
-the other sessions all four. Virtual environments are reused, so a second run does not
+the other sessions all five. Virtual environments are reused, so a second run does not
 reinstall torch.
 """
 
@@ -22,7 +22,7 @@ except ModuleNotFoundError:  # Python 3.10; nox itself requires tomli there
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = "requirements/constraints.txt"
-PACKAGES = ["data", "embedding", "sharding", "pipeline"]  # a package imports only ones before it
+PACKAGES = ["data", "embedding", "sharding", "pipeline", "serving"]  # a package imports only ones before it
 # torchrec 1.8.0's own requirements, minus fbgemm-gpu (fbgemm-gpu-cpu replaces it).
 STACK = ["torch", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "iopath", "tqdm", "numpy"]
 STACK += ["pyarrow", "safetensors"]  # recsdk-data's readers; published versions
@@ -81,7 +81,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """All four packages assembled: cross-package tests and the demo as a test."""
+    """All five packages assembled: cross-package tests and the demo as a test."""
     _install(session, PACKAGES, [*TEST_TOOLS, "matplotlib"])
     session.run("pytest", "-q", "tests", *session.posargs)
 
@@ -104,7 +104,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the four packages as one ``recsdk`` namespace."""
+    """mypy over the five packages as one ``recsdk`` namespace."""
     _install(session, PACKAGES, ["mypy"])
     sources = [f"packages/recsdk-{name}/src/recsdk" for name in PACKAGES]
     session.run("mypy", *sources, env={"MYPYPATH": ":".join(f"packages/recsdk-{n}/src" for n in PACKAGES)})

@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["data", "embedding", "sharding", "pipeline"]
+PACKAGES = ["data", "embedding", "sharding", "pipeline", "serving"]
 
 # Top-level import name -> the distribution a package declares for it.
 IMPORT_TO_DISTRIBUTION = {

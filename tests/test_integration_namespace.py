@@ -1,4 +1,4 @@
-"""The four distributions assembled into one ``recsdk`` namespace, with one-way dependencies."""
+"""The five distributions assembled into one ``recsdk`` namespace, with one-way dependencies."""
 
 import ast
 from pathlib import Path
@@ -7,13 +7,14 @@ import recsdk
 import recsdk.data
 import recsdk.embedding
 import recsdk.pipeline
+import recsdk.serving
 import recsdk.sharding
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ["data", "embedding", "sharding", "pipeline"]
+ORDER = ["data", "embedding", "sharding", "pipeline", "serving"]
 
 
-def test_namespace_spans_the_four_distributions() -> None:
+def test_namespace_spans_the_five_distributions() -> None:
     assert not hasattr(recsdk, "__file__") or recsdk.__file__ is None, "recsdk must be a PEP 420 namespace"
     parts = sorted(Path(p).parent.parent.name for p in recsdk.__path__)
     assert parts == sorted(f"recsdk-{n}" for n in ORDER)

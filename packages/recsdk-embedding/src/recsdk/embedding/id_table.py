@@ -404,6 +404,17 @@ class IdTable(IdTableState, IdTableEviction):
         self._check_usable()
         return self._row_id.index_select(0, rows), self._row_state.index_select(0, rows) == _OCCUPIED
 
+    def index_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The hash index as FBGEMM's ``pruned_hashmap_lookup`` reads it, for a lookup outside Python
+        (a serving module under TorchScript): see :meth:`FbgemmSlotIndex.kernel_state`.
+
+        Raises:
+            RuntimeError: the table's index is not FBGEMM's (not on CPU, or FBGEMM not loaded).
+        """
+        if not isinstance(self._index, FbgemmSlotIndex):
+            raise RuntimeError(f"IdTable '{self._name}': its index is {self.index_kind!r}, not FBGEMM's (CPU)")
+        return self._index.kernel_state()
+
     def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored ids and their rows, in ascending row order.
 

@@ -13,12 +13,12 @@ Layout of a version::
 A table file holds ``ids`` (int64 ``[n]``, ascending) with ``rows`` (``[n, dim]``, float32 or
 float16; or uint8 with ``scale`` and ``bias`` float16 ``[n]``: FBGEMM's row-wise 8-bit
 quantization as TorchRec's quantized tables hold it, ``row = rows * scale + bias``, at most half
-a step ``scale / 2`` from the value trained), and ``deleted`` (int64 ``[m]``, ascending). A **full** version holds every id of every
-table (``deleted`` empty); a **delta** the ids whose rows changed since its parent version
-(``parent = version - 1``) and the ids deleted since it. Apply a delta by dropping its deleted
-ids, then writing its ids' rows. The manifest records the version, its parent, its kind, the
-training step, the rows' dtype, per table its config and counts, the dense tensors, and every
-file's size and CRC-32.
+a step ``scale / 2`` from the value trained), and ``deleted`` (int64 ``[m]``, ascending). A
+**full** version holds every id of every table (``deleted`` empty); a **delta** the ids whose
+rows changed since its parent version (``parent = version - 1``) and the ids deleted since it.
+Apply a delta by dropping its deleted ids, then writing its ids' rows. The manifest records the
+version, its parent, its kind, the training step, the rows' dtype, per table its config and
+counts, the dense tensors, and every file's size and CRC-32.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +41,12 @@ __all__ = [
     "PublishedTable",
     "PublishedVersion",
     "decode_rows",
+    "describe_table",
+    "differences",
     "encode_rows",
     "latest_version",
     "list_versions",
+    "read_manifest",
     "read_version",
     "replay",
     "table_file",
@@ -114,6 +118,62 @@ def read_manifest(root: str | os.PathLike[str], version: int) -> dict[str, Any]:
             f"{path!r} has format_version {manifest.get('format_version')!r}; this recsdk reads {FORMAT_VERSION}"
         )
     return manifest
+
+
+def describe_table(module: str, config: Any) -> dict[str, Any]:
+    """What a manifest records of a hash table's config (and a consumer checks against its model).
+
+    Args:
+        module (str): the hash module's name in the model (``"ebc"``).
+        config: its ``HashEmbeddingBagConfig`` (kind ``"bag"``) or ``HashEmbeddingConfig`` (``"unpooled"``).
+    """
+    from recsdk.embedding.config import HashEmbeddingBagConfig
+
+    bag = isinstance(config, HashEmbeddingBagConfig)
+    return {
+        "module": module,
+        "kind": "bag" if bag else "unpooled",
+        "embedding_dim": int(config.embedding_dim),
+        "num_embeddings": int(config.num_embeddings),
+        "feature_names": list(config.feature_names),
+        "pooling": config.pooling.name if bag else None,
+        "data_type": config.data_type.name,
+    }
+
+
+def differences(
+    manifest: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], dense: Mapping[str, Sequence[int]]
+) -> list[str]:
+    """How a model differs from the one a version's manifest describes (``[]``: the same model).
+
+    Compared: the table names, each table's kind, dim, features and pooling (``tables``: per
+    name, what :func:`describe_table` gives), and the dense tensors' names and shapes (``dense``:
+    name -> shape); a table's capacity may differ.
+    """
+    where = f"version {manifest.get('version')}"
+    problems: list[str] = []
+    theirs: Mapping[str, Mapping[str, Any]] = manifest.get("tables", {})
+    for name in sorted(set(theirs) - set(tables)):
+        problems.append(f"table {name!r} is in {where}, not in this model")
+    for name in sorted(set(tables) - set(theirs)):
+        problems.append(f"table {name!r} is in this model, not in {where}")
+    for name in sorted(set(tables) & set(theirs)):
+        for key in ("kind", "embedding_dim", "feature_names", "pooling"):
+            if theirs[name].get(key) != tables[name][key]:
+                theirs_value, ours = theirs[name].get(key), tables[name][key]
+                problems.append(f"table {name!r}: {key} is {theirs_value!r} in {where}, {ours!r} in this model")
+    published = manifest.get("dense", {}).get("tensors", {})
+    for key in sorted(set(published) - set(dense)):
+        problems.append(f"dense tensor {key!r} is in {where}, not in this model")
+    for key in sorted(set(dense) - set(published)):
+        problems.append(f"dense tensor {key!r} is in this model, not in {where}")
+    for key in sorted(set(dense) & set(published)):
+        if list(published[key]["shape"]) != list(dense[key]):
+            problems.append(
+                f"dense tensor {key!r}: shape {list(published[key]['shape'])} in {where}, "
+                f"{list(dense[key])} in this model"
+            )
+    return problems
 
 
 def encode_rows(weights: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -210,8 +270,6 @@ def read_version(root: str | os.PathLike[str], version: int | None = None, *, ve
         v = read_version("publish/")
         v.tables["user"].ids, v.tables["user"].embeddings(), v.tables["user"].deleted
     """
-    from safetensors.torch import load_file
-
     if version is None:
         version = latest_version(root)
         if version is None:
@@ -223,9 +281,9 @@ def read_version(root: str | os.PathLike[str], version: int | None = None, *, ve
         _verify(directory, files)
     tables: dict[str, PublishedTable] = {}
     for name, info in manifest["tables"].items():
-        parts = [load_file(os.path.join(directory, f)) for f in info["files"]]
+        parts = [_load(os.path.join(directory, f)) for f in info["files"]]
         tables[name] = _merge(parts, int(info["embedding_dim"]), manifest["dtype"])
-    dense = load_file(os.path.join(directory, manifest["dense"]["file"]))
+    dense = _load(os.path.join(directory, manifest["dense"]["file"]))
     return PublishedVersion(
         version=int(manifest["version"]),
         parent=manifest["parent"],
@@ -290,6 +348,16 @@ def apply_delta(base: PublishedTable, delta: PublishedTable) -> PublishedTable:
     order = torch.argsort(ids)
     rows = {k: torch.cat([v[keep], delta.rows[k]])[order] for k, v in base.rows.items()}
     return PublishedTable(ids[order], rows, torch.zeros(0, dtype=torch.int64))
+
+
+def _load(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors: data only, nothing in it runs (a pickle is refused)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # SafetensorError and the like: not the format's data file
+        raise PublicationError(f"{path!r} is not a safetensors data file ({e}); nothing was loaded") from e
 
 
 def _merge(parts: list[dict[str, torch.Tensor]], dim: int, dtype: str) -> PublishedTable:

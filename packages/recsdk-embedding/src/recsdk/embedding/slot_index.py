@@ -265,6 +265,13 @@ class FbgemmSlotIndex(_GrowingSlots):
         self._write(ids, dead)
         self.tombstones += ids.numel()
 
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What a lookup outside this object needs (a TorchScript module calling
+        ``torch.ops.fbgemm.pruned_hashmap_lookup`` itself): the slots ``[num_slots, 2]``, their
+        offsets ``[2]``, and the row of the id ``-1`` (``-1``: absent), which the slots cannot hold.
+        The slots are replaced when the index grows: read them again after inserts."""
+        return self._table, self._table_offsets, self._minus_one_row
+
     def _set_aside(
         self, ids: torch.Tensor, rows: torch.Tensor, minus_one_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

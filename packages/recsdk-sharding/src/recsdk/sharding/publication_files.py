@@ -14,14 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsdk.embedding import HashEmbeddingBagConfig
 from recsdk.embedding.change_tracker import ChangeSnapshot
-from recsdk.embedding.publication import DENSE_FILE, encode_rows, table_file
+from recsdk.embedding.publication import DENSE_FILE, describe_table, encode_rows, table_file
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.checkpoint.errors import os_reason
 from recsdk.sharding.checkpoint.layout import HashModule, hash_weight_keys
 
-__all__ = ["dense_state", "differences", "table_descriptions", "write_dense", "write_table"]
+__all__ = ["dense_state", "table_descriptions", "write_dense", "write_table"]
 
 
 def table_descriptions(modules: Mapping[str, HashModule]) -> dict[str, dict[str, Any]]:
@@ -38,16 +37,7 @@ def table_descriptions(modules: Mapping[str, HashModule]) -> dict[str, dict[str,
                     f"table {name!r} is in hash modules {out[name]['module']!r} and {fqn!r}; "
                     "publishing needs distinct table names"
                 )
-            bag = isinstance(cfg, HashEmbeddingBagConfig)
-            out[name] = {
-                "module": fqn,
-                "kind": "bag" if bag else "unpooled",
-                "embedding_dim": int(cfg.embedding_dim),
-                "num_embeddings": int(cfg.num_embeddings),
-                "feature_names": list(cfg.feature_names),
-                "pooling": cfg.pooling.name if bag else None,
-                "data_type": cfg.data_type.name,
-            }
+            out[name] = describe_table(fqn, cfg)
     if not out:
         raise ValueError("the model holds no sharded hash table (HashEmbeddingBagCollection, HashEmbeddingCollection)")
     return out
@@ -81,40 +71,6 @@ def dense_state(model: nn.Module, modules: Mapping[str, HashModule], rank: int) 
         if rank == 0:
             out[key] = value.detach().to("cpu", copy=True).contiguous()
     return out
-
-
-def differences(
-    manifest: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]], dense: Mapping[str, torch.Tensor]
-) -> list[str]:
-    """How the model differs from the one a root's manifest describes (``[]``: the same model).
-
-    Compared: the table names, each table's kind, dim, features and pooling, and the dense
-    tensors' names and shapes (a table's capacity may change between jobs).
-    """
-    where = f"version {manifest.get('version')}"
-    problems: list[str] = []
-    theirs: Mapping[str, Mapping[str, Any]] = manifest.get("tables", {})
-    for name in sorted(set(theirs) - set(tables)):
-        problems.append(f"table {name!r} is in {where}, not in this model")
-    for name in sorted(set(tables) - set(theirs)):
-        problems.append(f"table {name!r} is in this model, not in {where}")
-    for name in sorted(set(tables) & set(theirs)):
-        for key in ("kind", "embedding_dim", "feature_names", "pooling"):
-            if theirs[name].get(key) != tables[name][key]:
-                theirs_value, ours = theirs[name].get(key), tables[name][key]
-                problems.append(f"table {name!r}: {key} is {theirs_value!r} in {where}, {ours!r} in this model")
-    published = manifest.get("dense", {}).get("tensors", {})
-    for key in sorted(set(published) - set(dense)):
-        problems.append(f"dense tensor {key!r} is in {where}, not in this model")
-    for key in sorted(set(dense) - set(published)):
-        problems.append(f"dense tensor {key!r} is in this model, not in {where}")
-    for key in sorted(set(dense) & set(published)):
-        if list(published[key]["shape"]) != list(dense[key].shape):
-            problems.append(
-                f"dense tensor {key!r}: shape {list(published[key]['shape'])} in {where}, "
-                f"{list(dense[key].shape)} in this model"
-            )
-    return problems
 
 
 def write_table(directory: str, table: str, rank: int, snap: ChangeSnapshot, weights: torch.Tensor, dtype: str) -> str:

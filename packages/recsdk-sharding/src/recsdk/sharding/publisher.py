@@ -42,6 +42,7 @@ from recsdk.embedding.publication import (
     FORMAT_VERSION,
     PUBLICATION_FORMAT,
     PUBLICATION_MANIFEST,
+    differences,
     list_versions,
     read_manifest,
     version_path,
@@ -50,7 +51,7 @@ from recsdk.sharding.checkpoint import files
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import HashModule, hash_modules
 from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
-from recsdk.sharding.publication_files import dense_state, differences, table_descriptions, write_dense, write_table
+from recsdk.sharding.publication_files import dense_state, table_descriptions, write_dense, write_table
 
 __all__ = ["PublishRecord", "Publisher"]
 
@@ -248,7 +249,9 @@ class Publisher:
         versions = list_versions(self.root)
         if not versions:
             return []
-        return differences(read_manifest(self.root, versions[-1]), self._tables, dense)
+        return differences(
+            read_manifest(self.root, versions[-1]), self._tables, {k: list(v.shape) for k, v in dense.items()}
+        )
 
     def _plan(self, dense: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Rank 0: the next version's number, the latest's token and dtype, a new token."""

@@ -1,0 +1,20 @@
+"""recsdk-serving: a model trained by recsdk, served in one process from its published versions.
+
+``ServingModel(model, root)`` replaces the model's hash collections with read-only
+``ServingEmbeddingBagCollection`` / ``ServingEmbeddingCollection`` modules (raw int64 ids through
+FBGEMM's hash index into FBGEMM's inference lookup), loads the dense part, and applies newer
+versions in place (``refresh``, ``follow``). Requires recsdk-embedding only: no process group.
+"""
+
+from recsdk.serving.rw_lock import ReadWriteLock
+from recsdk.serving.served_table import ServedTable
+from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, ServingEmbeddingCollection
+from recsdk.serving.serving_model import ServingModel
+
+__all__ = [
+    "ReadWriteLock",
+    "ServedTable",
+    "ServingEmbeddingBagCollection",
+    "ServingEmbeddingCollection",
+    "ServingModel",
+]

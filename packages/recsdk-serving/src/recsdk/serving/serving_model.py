@@ -1,0 +1,211 @@
+"""``ServingModel``: the user's model, served from a publisher's root, following its versions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsdk.embedding import (
+    HashEmbeddingBagCollection,
+    HashEmbeddingCollection,
+    PublicationError,
+    PublishedVersion,
+    list_versions,
+    read_version,
+)
+from recsdk.embedding.publication import describe_table, differences, read_manifest
+from recsdk.serving.rw_lock import ReadWriteLock
+from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, ServingEmbeddingCollection
+
+__all__ = ["ServingModel"]
+
+_Serving = ServingEmbeddingBagCollection | ServingEmbeddingCollection
+
+
+class ServingModel:
+    """A model trained by recsdk, answering predictions from the versions published under ``root``.
+
+    One process, no process group, no sharding: ``model`` is built as for training (unsharded,
+    on CPU). Each of its ``HashEmbeddingBagCollection`` / ``HashEmbeddingCollection`` modules is
+    replaced by a read-only :class:`~recsdk.serving.ServingEmbeddingBagCollection` /
+    :class:`~recsdk.serving.ServingEmbeddingCollection` with the same forward, and its dense
+    part (every other parameter and buffer) is loaded from the publication. Construction applies
+    the latest full version and every delta after it.
+
+    A forward sees one version wholly: :meth:`refresh` reads and checks a version before it takes
+    the model, then applies it while no forward runs (forwards share a read lock, so several
+    threads predict at once).
+
+    Args:
+        model (nn.Module): the model, built as for training; changed in place (its hash modules
+            replaced, its dense part loaded) and put in eval mode.
+        root (str | os.PathLike): the publisher's root.
+
+    Raises:
+        PublicationError: no complete full version under ``root``, or a damaged file (named).
+        ValueError: the publication's tables or dense tensors differ from the model's (every
+            difference listed), or the model holds no hash module.
+
+    Example::
+
+        serving = ServingModel(DLRM(tables, ...), "publish/")
+        scores = serving(batch)  # model(batch) in eval mode, under torch.no_grad()
+        serving.follow(interval_s=10.0)  # new versions applied in the background
+    """
+
+    def __init__(self, model: nn.Module, root: str | os.PathLike[str]) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.root = os.fspath(root)
+        self.model = model
+        self._lock = ReadWriteLock()
+        self._refreshing = threading.Lock()
+        self._version: int | None = None
+        self._follower: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.last_error: BaseException | None = None
+        """The last error of a background refresh (:meth:`follow`), None after a good one."""
+        hash_modules = {
+            fqn: m
+            for fqn, m in model.named_modules()
+            if isinstance(m, HashEmbeddingBagCollection | HashEmbeddingCollection)
+        }
+        if not hash_modules:
+            raise ValueError("the model holds no HashEmbeddingBagCollection or HashEmbeddingCollection to serve")
+        self._tables = {
+            cfg.name: describe_table(fqn, cfg)
+            for fqn, m in hash_modules.items()
+            for cfg in (
+                m.embedding_bag_configs() if isinstance(m, HashEmbeddingBagCollection) else m.embedding_configs()
+            )
+        }
+        prefixes = tuple(f"{fqn}." if fqn else "" for fqn in hash_modules)
+        self._dense_shapes = {
+            key: list(value.shape) for key, value in model.state_dict().items() if not key.startswith(prefixes)
+        }
+        start = self._chain_start()
+        first = self._read(start)
+        self._collections: dict[str, _Serving] = {}
+        for fqn, module in hash_modules.items():
+            serving: _Serving = (
+                ServingEmbeddingBagCollection(module, first.dtype)
+                if isinstance(module, HashEmbeddingBagCollection)
+                else ServingEmbeddingCollection(module, first.dtype)
+            )
+            _replace(model, fqn, serving)
+            self._collections[fqn] = serving
+        model.eval()
+        self._apply(first)
+        self.refresh()
+
+    @property
+    def version(self) -> int:
+        """The version served."""
+        assert self._version is not None
+        return self._version
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """``model(*inputs, **kwargs)`` in eval mode under ``torch.no_grad()``, on one version."""
+        with self._lock.reading(), torch.no_grad():
+            return self.model(*inputs, **kwargs)
+
+    def refresh(self) -> int:
+        """Apply every newer complete version, in order; returns how many were applied.
+
+        A newer full version is applied first (the deltas before it are not needed), then each
+        delta after it on top of its parent. A version already applied is never applied again.
+
+        Raises:
+            PublicationError: a delta whose parent is missing (naming the missing version), or a
+                damaged or foreign file; the model keeps serving the last version it applied.
+        """
+        with self._refreshing:
+            versions = [v for v in list_versions(self.root) if self._version is None or v > self._version]
+            fulls = [v for v in versions if read_manifest(self.root, v)["kind"] == "full"]
+            if fulls:
+                versions = [v for v in versions if v >= fulls[-1]]
+            applied = 0
+            for v in versions:
+                published = self._read(v)
+                if published.kind == "delta" and published.parent != self._version:
+                    raise PublicationError(
+                        f"version {v} under {self.root!r} is a delta on top of version {published.parent}, which "
+                        f"is missing (serving version {self._version}); the model keeps serving it until a full "
+                        "version is published"
+                    )
+                self._apply(published)
+                applied += 1
+            return applied
+
+    def follow(self, interval_s: float = 10.0) -> None:
+        """Refresh every ``interval_s`` seconds on a background thread until :meth:`stop`; its
+        last error is kept in :attr:`last_error` (the model keeps serving what it had)."""
+        if isinstance(interval_s, bool) or not isinstance(interval_s, int | float) or interval_s <= 0:
+            raise ValueError(f"interval_s must be a number > 0, got {interval_s!r}")
+        if self._follower is not None and self._follower.is_alive():
+            raise RuntimeError("this ServingModel already follows its root; stop() first")
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.refresh()
+                    self.last_error = None
+                except Exception as e:  # kept for the caller; the served version stays
+                    self.last_error = e
+
+        self._follower = threading.Thread(target=loop, name="recsdk-serving-follow", daemon=True)
+        self._follower.start()
+
+    def stop(self) -> None:
+        """Stop following (waits for a refresh in progress)."""
+        self._stop.set()
+        if self._follower is not None:
+            self._follower.join()
+            self._follower = None
+
+    def table_sizes(self) -> dict[str, int]:
+        """Ids served per table."""
+        return {name: n for c in self._collections.values() for name, n in c.table_sizes().items()}
+
+    # ------------------------------------------------------------------ internals
+
+    def _chain_start(self) -> int:
+        versions = list_versions(self.root)
+        fulls = [v for v in versions if read_manifest(self.root, v)["kind"] == "full"]
+        if not fulls:
+            raise PublicationError(
+                f"no complete full version under {self.root!r} (versions: {versions}); serving starts from one"
+            )
+        return fulls[-1]
+
+    def _read(self, version: int) -> PublishedVersion:
+        """Read and check a version (sizes, checksums, the model's tables and dense part)."""
+        published = read_version(self.root, version)
+        problems = differences(published.manifest, self._tables, self._dense_shapes)
+        if problems:
+            raise ValueError(f"version {version} under {self.root!r} is not this model's: " + "; ".join(problems))
+        return published
+
+    def _apply(self, published: PublishedVersion) -> None:
+        with self._lock.writing():
+            for collection in self._collections.values():
+                collection.apply_version(published)
+            self.model.load_state_dict(published.dense, strict=False)
+            self._version = published.version
+
+
+def _configs(module: HashEmbeddingBagCollection | HashEmbeddingCollection) -> list[Any]:
+    if isinstance(module, HashEmbeddingBagCollection):
+        return list(module.embedding_bag_configs())
+    return list(module.embedding_configs())
+
+
+def _replace(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, name, module)
