@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -22,7 +25,7 @@ from recsdk.embedding import (
     LRUEviction,
     TTLEviction,
 )
-from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders
+from recsdk.sharding import HybridEmbeddingEnumerator, Publisher, get_default_hybrid_sharders
 
 NUM_DENSE = 4
 DIM = 8
@@ -121,8 +124,9 @@ def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
     return Batch(batch.dense_features[lo:hi], kjt, batch.labels[lo:hi])
 
 
-def shard(model: nn.Module, sharding: str, batch_size: int) -> DistributedModelParallel:
-    """Adagrad fused into the tables, every table sharded ``sharding``, DMP on CPU over gloo."""
+def shard(model: nn.Module, sharding: str, batch_size: int, cached: bool = False) -> DistributedModelParallel:
+    """Adagrad fused into the tables, every table sharded ``sharding``, DMP on CPU over gloo;
+    with ``cached``, the user table's rows in host memory behind a device cache of half of them."""
     for module in (model.ebc, model.ec):
         apply_optimizer_in_backward(torch.optim.Adagrad, module.parameters(), {"lr": 0.1, "eps": 0.01})
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -130,6 +134,12 @@ def shard(model: nn.Module, sharding: str, batch_size: int) -> DistributedModelP
         host_env=ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
     )
     constraints = {t: ParameterConstraints(sharding_types=[sharding]) for t in ("user", "tag", "item")}
+    if cached:
+        constraints["user"] = ParameterConstraints(
+            sharding_types=[sharding],
+            compute_kernels=["fused_uvm_caching"],
+            cache_params=CacheParams(load_factor=0.5, algorithm=CacheAlgorithm.LRU),
+        )
     topology = Topology(world_size=world_size, compute_device="cpu")
     planner = EmbeddingShardingPlanner(
         topology=topology,
@@ -138,3 +148,44 @@ def shard(model: nn.Module, sharding: str, batch_size: int) -> DistributedModelP
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+
+
+GLOBAL_BATCH = 32
+EVAL = [make_batch(64, seed=1000 + i) for i in range(2)]  # held out, the same on every rank
+TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "uint8": 3e-2}  # on probabilities
+
+
+def train_and_publish(rank: int, world_size: int, root: str, sharding: str, dtype: str, cached: bool = False) -> list:
+    """Train, publish a version every few steps, and score the held-out batches with the trained
+    model in eval mode after each: ``[(version, scores)]`` on rank 0."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dmp = shard(Recommender("meta"), sharding, GLOBAL_BATCH // world_size, cached)
+    dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n or "over" in n], lr=0.1)
+    publisher = Publisher(dmp, root, full_every=4, dtype=getattr(torch, dtype), keep=100)
+    records = []
+    step = 0
+    for steps in (3, 2, 4, 1, 3):
+        for _ in range(steps):
+            loss, _ = dmp(rank_slice(make_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+            loss.backward()
+            dense_opt.step()
+            dense_opt.zero_grad()
+            step += 1
+        version = publisher.publish(step=step)
+        dmp.eval()
+        with torch.no_grad():
+            local = [dmp(rank_slice(b, rank, world_size))[1] for b in EVAL]
+        dmp.train()
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, local)
+        records.append((version, [torch.cat([part[i] for part in everyone]) for i in range(len(EVAL))]))
+    return records
+
+
+def copy_versions(published: tuple[Path, list], to: Path, versions: list[int]) -> Path:
+    """Copy ``versions`` of a published root into ``to``, as if they were published there now."""
+    root, _ = published
+    for v in versions:
+        shutil.copytree(root / f"{v:08d}", to / f"{v:08d}")
+    return to

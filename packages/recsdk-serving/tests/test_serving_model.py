@@ -10,45 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from serving_models import Recommender, make_batch, rank_slice, shard
+from serving_models import EVAL, TOLERANCE, Recommender, copy_versions, train_and_publish
 
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import PublicationError, list_versions
 from recsdk.serving import ServingEmbeddingBagCollection, ServingEmbeddingCollection, ServingModel
-from recsdk.sharding import Publisher
-
-GLOBAL_BATCH = 32
-EVAL = [make_batch(64, seed=1000 + i) for i in range(2)]  # held out, the same on every rank
-TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "uint8": 3e-2}  # on probabilities
-
-
-def _train_and_publish(rank: int, world_size: int, root: str, sharding: str, dtype: str) -> list:
-    """Train, publish a version every few steps, and score the held-out batches with the trained
-    model in eval mode after each: ``[(version, scores)]`` on rank 0."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dmp = shard(Recommender("meta"), sharding, GLOBAL_BATCH // world_size)
-    dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n or "over" in n], lr=0.1)
-    publisher = Publisher(dmp, root, full_every=4, dtype=getattr(torch, dtype), keep=100)
-    records = []
-    step = 0
-    for steps in (3, 2, 4, 1, 3):
-        for _ in range(steps):
-            loss, _ = dmp(rank_slice(make_batch(GLOBAL_BATCH, seed=step), rank, world_size))
-            loss.backward()
-            dense_opt.step()
-            dense_opt.zero_grad()
-            step += 1
-        version = publisher.publish(step=step)
-        dmp.eval()
-        with torch.no_grad():
-            local = [dmp(rank_slice(b, rank, world_size))[1] for b in EVAL]
-        dmp.train()
-        everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, local)
-        records.append((version, [torch.cat([part[i] for part in everyone]) for i in range(len(EVAL))]))
-    return records
 
 
 def _served(root: Path, copy: Path, records: list, dtype: str) -> list[str]:
@@ -71,13 +37,22 @@ def _served(root: Path, copy: Path, records: list, dtype: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("sharding", "dtype"), [("row_wise", "float32"), ("table_wise", "float32"), ("row_wise", "uint8")]
+    ("sharding", "dtype", "cached"),
+    [
+        ("row_wise", "float32", False),
+        ("table_wise", "float32", False),
+        ("row_wise", "float32", True),
+        ("row_wise", "float16", False),
+        ("table_wise", "uint8", False),
+    ],
 )
 def test_served_scores_equal_the_trained_models_eval_after_every_version(
-    tmp_path: Path, sharding: str, dtype: str
+    tmp_path: Path, sharding: str, dtype: str, cached: bool
 ) -> None:
+    """Bag (SUM, MEAN) and unpooled tables with LRU and TTL eviction (evicted ids serve zeros,
+    as in the trained model's eval), versions applied one by one as they would be published."""
     root = tmp_path / "pub"
-    records = run_distributed(_train_and_publish, 2, str(root), sharding, dtype)[0]
+    records = run_distributed(train_and_publish, 2, str(root), sharding, dtype, cached)[0]
     assert [v for v, _ in records] == [0, 1, 2, 3, 4]
     problems = _served(root, tmp_path / "served", records, dtype)
     assert problems == [], problems
@@ -86,32 +61,18 @@ def test_served_scores_equal_the_trained_models_eval_after_every_version(
 # ---- faults -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
-    root = tmp_path_factory.mktemp("published") / "pub"
-    records = run_distributed(_train_and_publish, 2, str(root), "row_wise", "float32")[0]
-    return root, records
-
-
-def _copy(published: tuple[Path, list], to: Path, versions: list[int]) -> Path:
-    root, _ = published
-    for v in versions:
-        shutil.copytree(root / f"{v:08d}", to / f"{v:08d}")
-    return to
-
-
 def test_a_gap_raises_naming_the_missing_version_and_the_model_keeps_serving(
     tmp_path: Path, published: tuple[Path, list]
 ) -> None:
-    root = _copy(published, tmp_path / "pub", [0, 1])
+    root = copy_versions(published, tmp_path / "pub", [0, 1])
     serving = ServingModel(Recommender("cpu"), root)
     before = serving(EVAL[0])[1]
-    _copy(published, root, [3])  # 2 is missing
+    copy_versions(published, root, [3])  # 2 is missing
     with pytest.raises(PublicationError, match="on top of version 2, which is missing"):
         serving.refresh()
     assert serving.version == 1
     assert torch.equal(serving(EVAL[0])[1], before)
-    _copy(published, root, [2])
+    copy_versions(published, root, [2])
     assert serving.refresh() == 2 and serving.version == 3
     assert serving.refresh() == 0  # nothing newer: applied versions are not applied again
 
@@ -119,18 +80,18 @@ def test_a_gap_raises_naming_the_missing_version_and_the_model_keeps_serving(
 def test_a_newer_full_version_is_applied_without_the_deltas_before_it(
     tmp_path: Path, published: tuple[Path, list]
 ) -> None:
-    root = _copy(published, tmp_path / "pub", [0])
+    root = copy_versions(published, tmp_path / "pub", [0])
     serving = ServingModel(Recommender("cpu"), root)
-    _copy(published, root, [3, 4])  # 4 is full (full_every=4): 1-3 are not needed
+    copy_versions(published, root, [3, 4])  # 4 is full (full_every=4): 1-3 are not needed
     assert serving.refresh() == 1 and serving.version == 4
     want = published[1][4][1][0]
     assert float((serving(EVAL[0])[1] - want).abs().max()) <= TOLERANCE["float32"]
 
 
 def test_a_damaged_or_foreign_file_is_refused_and_nothing_runs(tmp_path: Path, published: tuple[Path, list]) -> None:
-    root = _copy(published, tmp_path / "pub", [0])
+    root = copy_versions(published, tmp_path / "pub", [0])
     serving = ServingModel(Recommender("cpu"), root)
-    _copy(published, root, [1])
+    copy_versions(published, root, [1])
     target = root / "00000001" / "dense.safetensors"
     target.write_bytes(b"\0" + target.read_bytes()[1:])
     with pytest.raises(PublicationError, match=r"dense\.safetensors"):
@@ -158,10 +119,10 @@ def test_a_damaged_or_foreign_file_is_refused_and_nothing_runs(tmp_path: Path, p
 
 
 def test_no_full_version_and_another_model_are_refused(tmp_path: Path, published: tuple[Path, list]) -> None:
-    root = _copy(published, tmp_path / "pub", [1])  # a delta alone
+    root = copy_versions(published, tmp_path / "pub", [1])  # a delta alone
     with pytest.raises(PublicationError, match="no complete full version"):
         ServingModel(Recommender("cpu"), root)
-    root = _copy(published, tmp_path / "pub2", [0])
+    root = copy_versions(published, tmp_path / "pub2", [0])
     other = Recommender("cpu")
     other.over = torch.nn.Linear(4 * 8, 2)
     with pytest.raises(ValueError, match=r"dense tensor 'over.weight': shape \[1, 32\] in version 0, \[2, 32\]"):
@@ -170,7 +131,7 @@ def test_no_full_version_and_another_model_are_refused(tmp_path: Path, published
 
 def test_forwards_during_a_refresh_see_one_version_wholly(tmp_path: Path, published: tuple[Path, list]) -> None:
     _, records = published
-    root = _copy(published, tmp_path / "pub", [0])
+    root = copy_versions(published, tmp_path / "pub", [0])
     serving = ServingModel(Recommender("cpu"), root)
     expected = {v: scores[0] for v, scores in records}
     seen: list[str] = []
@@ -186,7 +147,7 @@ def test_forwards_during_a_refresh_see_one_version_wholly(tmp_path: Path, publis
     for t in threads:
         t.start()
     for v in (1, 2, 3):
-        _copy(published, root, [v])
+        copy_versions(published, root, [v])
         serving.refresh()
     stop.set()
     for t in threads:
@@ -196,18 +157,18 @@ def test_forwards_during_a_refresh_see_one_version_wholly(tmp_path: Path, publis
 
 
 def test_follow_applies_new_versions_in_the_background(tmp_path: Path, published: tuple[Path, list]) -> None:
-    root = _copy(published, tmp_path / "pub", [0])
+    root = copy_versions(published, tmp_path / "pub", [0])
     serving = ServingModel(Recommender("cpu"), root)
     serving.follow(interval_s=0.05)
     try:
-        _copy(published, root, [1, 2])
+        copy_versions(published, root, [1, 2])
         deadline = threading.Event()
         for _ in range(200):
             if serving.version == 2:
                 break
             deadline.wait(0.05)
         assert serving.version == 2 and serving.last_error is None
-        _copy(published, root, [4])  # 3 is missing, 4 is full: applied
+        copy_versions(published, root, [4])  # 3 is missing, 4 is full: applied
         (root / "00000004" / "dense.safetensors").write_bytes(b"damaged")
         for _ in range(200):
             if serving.last_error is not None:
@@ -220,7 +181,7 @@ def test_follow_applies_new_versions_in_the_background(tmp_path: Path, published
 
 
 def test_the_serving_collections_work_under_torchscript(tmp_path: Path, published: tuple[Path, list]) -> None:
-    root = _copy(published, tmp_path / "pub", [0, 1, 2])
+    root = copy_versions(published, tmp_path / "pub", [0, 1, 2])
     model = Recommender("cpu")
     serving = ServingModel(model, root)
     batch = EVAL[0]
