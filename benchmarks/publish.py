@@ -42,6 +42,7 @@ from _common import (
     DLRM,
     embedding_collection,
     feature_names,
+    fill_hash_tables,
     host_env,
     random_batches,
     set_threads,
@@ -51,7 +52,7 @@ from _common import (
 )
 
 from recsdk.data.testing import run_distributed
-from recsdk.sharding import Publisher, export_embeddings, get_default_hybrid_sharders, owner, sharded_hash_modules
+from recsdk.sharding import Publisher, export_embeddings, get_default_hybrid_sharders, sharded_hash_modules
 
 BATCH = 1024
 
@@ -66,19 +67,6 @@ def _build(args: argparse.Namespace) -> Any:
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
     sharders = get_default_hybrid_sharders(host_env=host_env())
     return shard(model, sharders, constraints, BATCH)
-
-
-def _fill(dmp: Any, ids_per_table: int, rank: int, world_size: int) -> None:
-    """Store this rank's share of ``ids_per_table`` raw ids in each table, with random rows."""
-    (module,) = sharded_hash_modules(dmp).values()
-    gen = torch.Generator().manual_seed(1234 + rank)
-    views = module.table_views()
-    for name, table in module.id_tables.items():
-        ids = torch.randint(-(2**62), 2**62, (3 * ids_per_table,), generator=gen).unique()
-        ids = ids[owner(ids, world_size) == rank][: ids_per_table // world_size]
-        table.insert_at(ids, torch.arange(ids.numel()))
-        with torch.no_grad():
-            views[name].weight[: ids.numel()].copy_(torch.rand(ids.numel(), views[name].weight.shape[1], generator=gen))
 
 
 def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
@@ -112,7 +100,7 @@ def _rows_bytes(dmp: Any) -> int:
 def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     set_threads(args.threads)
     dmp, _ = _build(args)
-    _fill(dmp, args.ids // args.tables, rank, world_size)
+    fill_hash_tables(dmp, args.ids // args.tables, rank, world_size)
     nbytes = _rows_bytes(dmp)
     full_s, export_s, full_bytes = [], [], []
     fulls = Publisher(dmp, os.path.join(root, "full"), full_every=1, keep=1)
@@ -157,7 +145,7 @@ def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -
     plain, plain_opt = _build(args)
     tracked, tracked_opt = _build(args)
     for dmp in (plain, tracked):
-        _fill(dmp, args.ids // args.tables, rank, world_size)
+        fill_hash_tables(dmp, args.ids // args.tables, rank, world_size)
     id_range = int(args.ids / args.tables * 1.2)
     batches = random_batches(
         batch_size=BATCH,

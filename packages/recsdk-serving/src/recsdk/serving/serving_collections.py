@@ -1,15 +1,20 @@
-# mypy: disable-error-code="union-attr"
-# (self.tables is a ModuleList; mypy reads it through Module.__getattr__. TorchScript parses
-# "# type:" comments in forward, so the exception is made for the file.)
 """Read-only serving collections with the forward of recsdk's hash collections.
 
 :class:`ServingEmbeddingBagCollection` stands in for a
 :class:`~recsdk.embedding.HashEmbeddingBagCollection` (a KJT of raw ids to a ``KeyedTensor``,
 the same keys, order and dims), :class:`ServingEmbeddingCollection` for a
-:class:`~recsdk.embedding.HashEmbeddingCollection` (to ``dict[str, JaggedTensor]``). Each holds a
-:class:`~recsdk.serving.served_table.ServedTable` per table; an id a table does not hold looks up
-zeros, as the trained model's eval does. Both work under ``torch.jit.script`` (a script is a
-snapshot: it keeps the index and rows it was made with; script again after applying versions).
+:class:`~recsdk.embedding.HashEmbeddingCollection` (to ``dict[str, JaggedTensor]``).
+
+A forward maps every feature's raw ids to rows in one call of FBGEMM's
+``pruned_hashmap_lookup`` (over the slots of each table's :class:`~recsdk.serving.served_table.ServedTable`
+index, laid end to end once per applied version), then looks them up in one call of FBGEMM's inference kernel,
+``IntNBitTableBatchedEmbeddingBagsCodegen`` (what TorchRec's quantized inference modules run),
+whose rows are in the dtype published: fp32, fp16, or int8 with a float16 scale and bias per row,
+copied in as published. Ids a table does not hold map to ``-1``, which the kernel skips: zeros,
+as the trained model's eval gives; MEAN bags divide by the bag's length with those ids counted,
+as :class:`~recsdk.embedding.HashEmbeddingBagCollection` does. Both work under
+``torch.jit.script`` (a script is a snapshot: it keeps the index it was made with; script again
+after applying versions).
 """
 
 from __future__ import annotations
@@ -17,40 +22,138 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, PublishedVersion
 from recsdk.serving.served_table import ServedTable
 
-__all__ = ["ServingEmbeddingBagCollection", "ServingEmbeddingCollection"]
+__all__ = ["SPARSE_TYPES", "ServingEmbeddingBagCollection", "ServingEmbeddingCollection"]
+
+SPARSE_TYPES = {"float32": SparseType.FP32, "float16": SparseType.FP16, "uint8": SparseType.INT8}
+"""FBGEMM's row type for each dtype a publication's rows come in."""
 
 
 class _ServingCollection(nn.Module):
-    """What both collections share: their tables, and applying a version to them."""
+    """What both collections share: the tables' ids, the kernel of their rows, applying versions."""
 
     def __init__(self, configs: list[Any], dtype: str, pooled: bool) -> None:
         super().__init__()
+        if dtype not in SPARSE_TYPES:
+            raise ValueError(f"rows of dtype {dtype!r}; served are {sorted(SPARSE_TYPES)}")
         self.configs = list(configs)
         self.pooled = pooled
+        self.tables: list[ServedTable] = []
+        first = 0
+        for cfg in self.configs:
+            self.tables.append(ServedTable(cfg, first))
+            first += len(cfg.feature_names)
+        self.features = [f for cfg in self.configs for f in cfg.feature_names]
+        self.dims = [int(cfg.embedding_dim) for cfg in self.configs for _ in cfg.feature_names]
         self.dtype = dtype
-        self.tables: nn.ModuleList = nn.ModuleList([ServedTable(cfg, dtype, pooled) for cfg in configs])
+        self.tbe = self._kernel(dtype)
+        # Every feature's slots of its table's index, end to end (a table read by several
+        # features appears once per feature), and the tables that hold the id -1.
+        self.index_slots: torch.Tensor
+        self.index_offsets: torch.Tensor
+        self.register_buffer("index_slots", torch.zeros(0, 2, dtype=torch.int64), persistent=False)
+        self.register_buffer("index_offsets", torch.zeros(len(self.features) + 1, dtype=torch.int64), persistent=False)
+        self.minus_one: torch.Tensor  # rows (first feature, end feature, row) of the tables holding -1
+        self.register_buffer("minus_one", torch.zeros(0, 3, dtype=torch.int64), persistent=False)
+        self._sync_index()
+
+    def _kernel(self, dtype: str) -> IntNBitTableBatchedEmbeddingBagsCodegen:
+        """One FBGEMM inference kernel over every table; a feature per lookup (``feature_table_map``)."""
+        kernel = IntNBitTableBatchedEmbeddingBagsCodegen(
+            [
+                (cfg.name, int(cfg.num_embeddings), int(cfg.embedding_dim), SPARSE_TYPES[dtype], EmbeddingLocation.HOST)
+                for cfg in self.configs
+            ],
+            feature_table_map=[t for t, cfg in enumerate(self.configs) for _ in cfg.feature_names],
+            device="cpu",
+            pooling_mode=PoolingMode.SUM if self.pooled else PoolingMode.NONE,
+            output_dtype=SparseType.FP32,
+        )
+        kernel.initialize_weights()
+        return kernel
+
+    def _rows(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
+        """The input in the collection's feature order, its offsets, and the rows of its ids
+        (``-1`` where a table does not hold the id: the kernel skips it)."""
+        if features.keys() != self.features:
+            features = features.permute([features.keys().index(f) for f in self.features])
+        values = features.values().long()
+        offsets = features.offsets().long()
+        rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, offsets, self.index_slots, self.index_offsets)
+        rows = rows.clamp_(min=-1)  # a removed id's slot reads -2
+        if self.minus_one.shape[0] > 0:  # the id -1, which the slots cannot hold
+            offset_per_key = features.offset_per_key()
+            for i in range(self.minus_one.shape[0]):
+                first, end, row = int(self.minus_one[i, 0]), int(self.minus_one[i, 1]), int(self.minus_one[i, 2])
+                start, stop = offset_per_key[first], offset_per_key[end]
+                rows[start:stop] = rows[start:stop].masked_fill(values[start:stop] == -1, row)
+        return features, offsets, rows
+
+    @torch.jit.unused
+    def _sync_index(self) -> None:
+        """Lay every feature's slots end to end (after the indexes changed)."""
+        slots, offsets, minus_one = [], [0], []
+        for table in self.tables:
+            table_slots, _, row = table.ids.index_state()
+            for _ in table.features:
+                slots.append(table_slots)
+                offsets.append(offsets[-1] + table_slots.shape[0])
+            if row >= 0:
+                minus_one.append((table.first_feature, table.first_feature + len(table.features), row))
+        self.index_slots = torch.cat(slots)
+        self.index_offsets = torch.tensor(offsets, dtype=torch.int64)
+        self.minus_one = torch.tensor(minus_one, dtype=torch.int64).view(-1, 3)
 
     @torch.jit.unused
     def apply_version(self, version: PublishedVersion) -> None:
-        """Apply a version's part for these tables (a full version in another dtype rebuilds them)."""
+        """Apply a version's part for these tables: a full one replaces every id (in another dtype,
+        a new kernel); a delta drops its deleted ids, then writes its ids' rows (new ids get rows).
+
+        Raises:
+            TableFullError: a version holds more ids than a table's ``num_embeddings``.
+        """
         full = version.kind == "full"
         if full and version.dtype != self.dtype:
             self.dtype = version.dtype
-            self.tables = nn.ModuleList([ServedTable(cfg, self.dtype, self.pooled) for cfg in self.configs])
-        for table in self.tables:
-            assert isinstance(table, ServedTable)
-            table.apply_version(version.tables[table.name], full)
+            self.tbe = self._kernel(self.dtype)
+        kernel_rows = self.tbe.split_embedding_weights(split_scale_shifts=True)
+        for t, table in enumerate(self.tables):
+            published = version.tables[table.name]
+            if full:
+                table.reset()
+            elif published.deleted.numel():
+                table.ids.remove(published.deleted)
+            if published.ids.numel():
+                rows = table.ids.find_or_insert(published.ids)
+                table.ids.take_reassigned_rows()  # their values are written here
+                _write(kernel_rows[t], rows, published.rows, table.dim)
+        self._sync_index()
 
     @torch.jit.unused
     def table_sizes(self) -> dict[str, int]:
         """Ids served per table."""
-        return {table.name: len(table) for table in self.tables if isinstance(table, ServedTable)}
+        return {table.name: len(table) for table in self.tables}
+
+
+def _write(kernel: tuple[torch.Tensor, Any], rows: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:
+    """Copy published rows into the kernel's rows ``rows`` (bytes as published)."""
+    weight, scale_bias = kernel
+    values = tensors["rows"]
+    if values.dtype == torch.uint8:
+        weight[rows, :dim] = values
+        halves = scale_bias.view(torch.float16)
+        halves[rows, 0] = tensors["scale"]
+        halves[rows, 1] = tensors["bias"]
+    else:
+        weight.view(values.dtype)[rows, :dim] = values
 
 
 class ServingEmbeddingBagCollection(_ServingCollection):
@@ -71,29 +174,35 @@ class ServingEmbeddingBagCollection(_ServingCollection):
     def __init__(self, module: HashEmbeddingBagCollection, dtype: str) -> None:
         super().__init__(module.embedding_bag_configs(), dtype, pooled=True)
         self._is_weighted = module.is_weighted()
-        self._embedding_names = [f for cfg in self.configs for f in cfg.feature_names]
-        self._lengths_per_embedding = [int(cfg.embedding_dim) for cfg in self.configs for _ in cfg.feature_names]
+        starts = [0]
+        for dim in self.dims:
+            starts.append(starts[-1] + dim)
+        # (feature, first column, last column) of the MEAN-pooled features
+        self._mean_columns = [
+            (f, starts[f], starts[f + 1])
+            for table in self.tables
+            if table.mean
+            for f in range(table.first_feature, table.first_feature + len(table.features))
+        ]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's embeddings.
 
         Args:
-            features (KeyedJaggedTensor): the configured features' raw int64 ids (per-value
-                weights when the module is weighted).
+            features (KeyedJaggedTensor): the configured features' raw int64 ids (any key order;
+                per-value weights when the module is weighted).
 
         Returns:
             KeyedTensor: ``[B, sum(dims)]``, keys and order as the hash collection's.
         """
-        per_feature = features.to_dict()
-        pooled: list[torch.Tensor] = []
-        for table in self.tables:
-            for feature in table.features:
-                jt = per_feature[feature]
-                weights = jt.weights_or_none() if self._is_weighted else None
-                pooled.append(table(jt.values(), jt.offsets(), jt.lengths(), weights))
-        return KeyedTensor(
-            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=torch.cat(pooled, dim=1)
-        )
+        features, offsets, rows = self._rows(features)
+        weights = features.weights_or_none() if self._is_weighted else None
+        pooled = self.tbe(rows, offsets, weights)
+        if len(self._mean_columns) > 0:
+            lengths = features.lengths().view(len(self.features), -1).clamp(min=1).unsqueeze(2).to(pooled.dtype)
+            for f, first, last in self._mean_columns:
+                pooled[:, first:last] /= lengths[f]
+        return KeyedTensor(keys=self.features, length_per_key=self.dims, values=pooled)
 
 
 class ServingEmbeddingCollection(_ServingCollection):
@@ -111,16 +220,18 @@ class ServingEmbeddingCollection(_ServingCollection):
         """One embedding per id.
 
         Args:
-            features (KeyedJaggedTensor): the configured features' raw int64 ids.
+            features (KeyedJaggedTensor): the configured features' raw int64 ids (any key order).
 
         Returns:
             dict[str, JaggedTensor]: feature -> values ``[num_ids, dim]``, its lengths and offsets.
         """
+        features, offsets, rows = self._rows(features)
+        embeddings = self.tbe(rows, offsets, None)
+        offset_per_key = features.offset_per_key()
         per_feature = features.to_dict()
         out: dict[str, JaggedTensor] = {}
-        for table in self.tables:
-            for feature in table.features:
-                jt = per_feature[feature]
-                values = table(jt.values(), jt.offsets(), jt.lengths(), None)
-                out[feature] = JaggedTensor(values=values, lengths=jt.lengths(), offsets=jt.offsets())
+        for f, feature in enumerate(self.features):
+            jt = per_feature[feature]
+            values = embeddings[offset_per_key[f] : offset_per_key[f + 1]]
+            out[feature] = JaggedTensor(values=values, lengths=jt.lengths(), offsets=jt.offsets())
         return out

@@ -1,0 +1,272 @@
+"""Serving: lookups on raw ids against TorchRec's on remapped ids; applying deltas while serving.
+
+A model with ``--tables`` hash tables of ``--ids`` ids each (dim ``--dim``) is published by a
+real ``Publisher`` (one rank: a full version, then deltas of ``--delta-rows`` changed rows each),
+in fp32 and int8, and served in this process. One JSON line per measurement:
+
+- ``lookup``: per thread count (1, and all cores) and batch size (512 and 1 samples, ``--pooling``
+  ids per bag, Zipf), the serving collection's ids/s and latency p50/p99 on raw ids, against
+  TorchRec's ``EmbeddingBagCollection`` (fp32) and ``QuantEmbeddingBagCollection`` (int8) on the
+  same ids remapped offline to ``0..n-1``; ratio = ours / theirs in ids/s (target >= 0.8);
+- ``apply_delta``: ``ServingModel.refresh()`` of a delta of ``--delta-rows`` rows, its seconds,
+  and the p99 latency of forwards (batch 512, another thread) while deltas apply against the
+  p99 while none does (target <= 2x);
+- ``memory``: bytes per served id (the id index, the id table's per-row arrays, the kernel's row)
+  at fp32 and int8, against the row's own bytes.
+
+Latencies are medians over ``--rounds`` interleaved rounds of ``--forwards`` forwards each.
+
+    python benchmarks/serving.py [--ids 200000] [--tables 4] [--dim 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+from _common import DLRM, embedding_collection, feature_names, fill_hash_tables, host_env, shard, table_configs
+from torch.ao.quantization import PlaceholderObserver, QConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+
+from recsdk.data import Batch
+from recsdk.data.testing import run_distributed
+from recsdk.serving import ServingModel
+from recsdk.sharding import Publisher, get_default_hybrid_sharders, sharded_hash_modules
+
+NUM_DENSE = 13
+
+
+def _model(args: argparse.Namespace, device: str) -> DLRM:
+    features = feature_names(args.tables)
+    configs = table_configs("hash", features, args.dim, int(args.ids / 0.8))
+    ebc = (
+        embedding_collection(configs)
+        if device == "meta"
+        else type(embedding_collection(configs))(tables=configs, device=torch.device(device))
+    )
+    return DLRM(ebc, features, args.dim)
+
+
+def _publish(rank: int, world_size: int, args: argparse.Namespace, roots: dict[str, str]) -> dict[str, torch.Tensor]:
+    """One rank: fill the tables, publish a full version and ``--deltas`` deltas per dtype."""
+    torch.manual_seed(0)
+    dmp, _ = shard(_model(args, "meta"), get_default_hybrid_sharders(host_env=host_env()), None, 512)
+    ids = fill_hash_tables(dmp, args.ids, rank, world_size)
+    (module,) = sharded_hash_modules(dmp).values()
+    publishers = {dtype: Publisher(dmp, root, dtype=getattr(torch, dtype), keep=1000) for dtype, root in roots.items()}
+    for publisher in publishers.values():
+        publisher.publish(step=0)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(1, args.deltas + 1):
+        per_table = args.delta_rows // args.tables
+        views = module.table_views()
+        for name, table in module.id_tables.items():
+            stored, rows = table.ids_and_rows()
+            pick = rows[torch.randperm(rows.numel(), generator=gen)[:per_table]]
+            with torch.no_grad():
+                views[name].weight[pick] += 0.01
+            table.changes.changed(pick)
+        for publisher in publishers.values():
+            publisher.publish(step=step)
+    return ids
+
+
+def _batches(args: argparse.Namespace, ids: dict[str, torch.Tensor], batch_size: int, n: int) -> list[tuple[Any, Any]]:
+    """``n`` pairs (KJT of raw ids, the same KJT remapped to 0..k-1 per table), Zipf over the ids."""
+    gen = torch.Generator().manual_seed(batch_size)
+    features = feature_names(args.tables)
+    out = []
+    for _ in range(n):
+        lengths = torch.full((args.tables * batch_size,), args.pooling, dtype=torch.int64)
+        raw, remapped = [], []
+        for i in range(args.tables):
+            table = ids[f"t{i}"]
+            u = torch.rand(batch_size * args.pooling, generator=gen)
+            idx = ((table.numel() ** u) - 1).long().clamp_(max=table.numel() - 1)  # ~Zipf(1)
+            raw.append(table[idx])
+            remapped.append(idx)
+        out.append(
+            (
+                KeyedJaggedTensor(keys=features, values=torch.cat(raw), lengths=lengths),
+                KeyedJaggedTensor(keys=features, values=torch.cat(remapped), lengths=lengths),
+            )
+        )
+    return out
+
+
+def _latencies(fn: Any, inputs: list[Any]) -> list[float]:
+    out = []
+    with torch.no_grad():
+        for x in inputs:
+            start = time.perf_counter()
+            fn(x)
+            out.append(time.perf_counter() - start)
+    return out
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dict[str, torch.Tensor]) -> None:
+    configs = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=ids[f"t{i}"].numel(), feature_names=[f])
+        for i, f in enumerate(feature_names(args.tables))
+    ]
+    torchrec_ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    torchrec_ebc.qconfig = QConfig(
+        activation=PlaceholderObserver.with_args(dtype=torch.float),
+        weight=PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    quant_ebc = QuantEmbeddingBagCollection.from_float(torchrec_ebc)
+    pairs = {
+        "float32": (served["float32"].model.ebc, torchrec_ebc, "EmbeddingBagCollection (fp32)"),
+        "uint8": (served["uint8"].model.ebc, quant_ebc, "QuantEmbeddingBagCollection (int8)"),
+    }
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        for batch_size in (512, 1):
+            batches = _batches(args, ids, batch_size, args.forwards)
+            ids_per_forward = args.tables * batch_size * args.pooling
+            for dtype, (ours, theirs, name) in pairs.items():
+                mine: list[list[float]] = []
+                base: list[list[float]] = []
+                for _ in range(args.rounds):  # interleaved: ours, theirs, ours, ...
+                    mine.append(_latencies(ours, [raw for raw, _ in batches]))
+                    base.append(_latencies(theirs, [remapped for _, remapped in batches]))
+                ours_s = statistics.median(statistics.mean(r) for r in mine)
+                theirs_s = statistics.median(statistics.mean(r) for r in base)
+                flat_mine, flat_base = [x for r in mine for x in r], [x for r in base for x in r]
+                line = {
+                    "benchmark": "serving",
+                    "measurement": "lookup",
+                    "rows": dtype,
+                    "threads": threads,
+                    "batch_size": batch_size,
+                    "ids_per_forward": ids_per_forward,
+                    "ids_per_s": ids_per_forward / ours_s,
+                    "p50_ms": _p(flat_mine, 0.5) * 1e3,
+                    "p99_ms": _p(flat_mine, 0.99) * 1e3,
+                    "baseline": name,
+                    "baseline_ids_per_s": ids_per_forward / theirs_s,
+                    "baseline_p50_ms": _p(flat_base, 0.5) * 1e3,
+                    "baseline_p99_ms": _p(flat_base, 0.99) * 1e3,
+                    "ratio": theirs_s / ours_s,
+                }
+                print(json.dumps(line), flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def _apply_while_serving(args: argparse.Namespace, source: str, ids: dict[str, torch.Tensor]) -> None:
+    """Deltas applied one by one while another thread runs forwards; p99 during applies vs not."""
+    root = tempfile.mkdtemp(prefix="recsdk-serving-apply-")
+    try:
+        shutil.copytree(os.path.join(source, "00000000"), os.path.join(root, "00000000"))
+        serving = ServingModel(_model(args, "cpu"), root)
+        raw = [r for r, _ in _batches(args, ids, 512, 64)]
+        batches = [Batch(torch.rand(512, NUM_DENSE), kjt, torch.zeros(512)) for kjt in raw]
+        timeline: list[tuple[float, float]] = []  # (start, seconds)
+        stop = threading.Event()
+
+        def forwards() -> None:
+            i = 0
+            while not stop.is_set():
+                start = time.perf_counter()
+                serving(batches[i % len(batches)])
+                timeline.append((start, time.perf_counter() - start))
+                i += 1
+
+        thread = threading.Thread(target=forwards)
+        thread.start()
+        windows: list[tuple[float, float]] = []
+        apply_s = []
+        time.sleep(1.0)
+        for v in range(1, args.deltas + 1):
+            shutil.copytree(os.path.join(source, f"{v:08d}"), os.path.join(root, f"{v:08d}"))
+            start = time.perf_counter()
+            serving.refresh()
+            end = time.perf_counter()
+            windows.append((start, end))
+            apply_s.append(end - start)
+            time.sleep(0.5)
+        stop.set()
+        thread.join()
+        during = [s for t, s in timeline if any(a - s <= t <= b for a, b in windows)]
+        outside = [s for t, s in timeline if not any(a - 1.0 <= t <= b + 0.2 for a, b in windows)]
+        line = {
+            "benchmark": "serving",
+            "measurement": "apply_delta",
+            "delta_rows": args.delta_rows,
+            "apply_seconds": statistics.median(apply_s),
+            "forwards_during": len(during),
+            "p99_during_ms": _p(during, 0.99) * 1e3 if during else None,
+            "p99_without_ms": _p(outside, 0.99) * 1e3,
+            "ratio": _p(during, 0.99) / _p(outside, 0.99) if during else None,
+        }
+        print(json.dumps(line), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _memory(args: argparse.Namespace, served: dict[str, ServingModel]) -> None:
+    for dtype, serving in served.items():
+        collection = serving.model.ebc
+        tables = collection.tables
+        num_ids = sum(len(t) for t in tables)
+        index = sum(t.ids.memory_bytes for t in tables)  # the hash slots and the per-row arrays
+        kernel = sum(
+            sum(w.numel() * w.element_size() for w in pair if w is not None)
+            for pair in collection.tbe.split_embedding_weights(split_scale_shifts=True)
+        )
+        own = args.dim * 4 if dtype == "float32" else args.dim + 4
+        line = {
+            "benchmark": "serving",
+            "measurement": "memory",
+            "rows": dtype,
+            "ids": num_ids,
+            "bytes_per_id": (index + kernel) / num_ids,
+            "index_bytes_per_id": index / num_ids,
+            "kernel_bytes_per_id": kernel / num_ids,
+            "row_bytes": own,
+            "ratio": (index + kernel) / num_ids / own,
+        }
+        print(json.dumps(line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ids", type=int, default=200_000, help="ids per table")
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--pooling", type=int, default=4, help="ids per bag")
+    parser.add_argument("--deltas", type=int, default=5)
+    parser.add_argument("--delta-rows", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--forwards", type=int, default=200, help="forwards per round and case")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="recsdk-serving-bench-")
+    try:
+        roots = {dtype: os.path.join(work, dtype) for dtype in ("float32", "uint8")}
+        ids = run_distributed(_publish, 1, args, roots, timeout_s=1800)[0]
+        served = {dtype: ServingModel(_model(args, "cpu"), root) for dtype, root in roots.items()}
+        _lookups(args, served, ids)
+        _memory(args, served)
+        del served
+        source = roots["float32"]
+        _apply_while_serving(args, source, ids)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The serving collections on hand-made versions: edge ids, MEAN, weights, key order, deletions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsdk.embedding import (
+    HashEmbeddingBagCollection,
+    HashEmbeddingBagConfig,
+    HashEmbeddingCollection,
+    HashEmbeddingConfig,
+    PublishedTable,
+    PublishedVersion,
+)
+from recsdk.embedding.publication import encode_rows
+from recsdk.serving import ServingEmbeddingBagCollection, ServingEmbeddingCollection
+
+EDGE_IDS = [-1, 0, 2**63 - 1, -(2**63)]
+
+
+def _version(kind: str, tables: dict[str, tuple[list[int], list[float], list[int]]], dtype: str) -> PublishedVersion:
+    """A version whose ids' rows are all ``value`` (one per id), 4 wide."""
+    published = {
+        name: PublishedTable(
+            torch.tensor(ids, dtype=torch.int64),
+            encode_rows(torch.tensor(values).unsqueeze(1).expand(len(values), 4).contiguous(), dtype),
+            torch.tensor(deleted, dtype=torch.int64),
+        )
+        for name, (ids, values, deleted) in tables.items()
+    }
+    return PublishedVersion(0, None, kind, 0, dtype, published, {}, {})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint8"])
+def test_bags_sum_mean_and_edge_ids_as_the_hash_collection(dtype: str) -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[
+            HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=16, feature_names=["f", "g"]),
+            HashEmbeddingBagConfig(
+                name="b", embedding_dim=4, num_embeddings=16, feature_names=["h"], pooling=PoolingType.MEAN
+            ),
+        ],
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, dtype)
+    serving.apply_version(_version("full", {"a": (EDGE_IDS, [1.0, 2.0, 3.0, 4.0], []), "b": ([5], [8.0], [])}, dtype))
+    # keys in another order than configured; 2 samples
+    kjt = KeyedJaggedTensor(
+        keys=["h", "g", "f"],
+        values=torch.tensor([5, 77, 5, -1, 2**63 - 1, -(2**63), 0, 12345]),
+        lengths=torch.tensor([2, 1, 1, 1, 2, 1]),
+    )
+    out = serving(kjt).to_dict()
+    assert out["f"][:, 0].tolist() == [6.0, 0.0]  # INT64_MIN + 0; an unknown id (zero)
+    assert out["g"][:, 0].tolist() == [1.0, 3.0]  # -1; INT64_MAX
+    assert out["h"][:, 0].tolist() == [4.0, 8.0]  # MEAN of 5 and an unknown id: 8 / 2; then 5 alone
+    assert list(serving(kjt).keys()) == ["f", "g", "h"]
+    # A delta deletes -1 and changes 0.
+    serving.apply_version(_version("delta", {"a": ([0], [7.0], [-1]), "b": ([], [], [])}, dtype))
+    out = serving(kjt).to_dict()
+    assert out["g"][:, 0].tolist() == [0.0, 3.0]
+    assert out["f"][:, 0].tolist() == [11.0, 0.0]
+    assert serving.table_sizes() == {"a": 3, "b": 1}
+
+
+def test_weighted_bags_and_unpooled_tables() -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, feature_names=["f"])],
+        is_weighted=True,
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, "float32")
+    serving.apply_version(_version("full", {"a": ([3, 4], [1.0, 10.0], [])}, "float32"))
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([3, 4, 9]), lengths=torch.tensor([2, 1]), weights=torch.tensor([2.0, 0.5, 3.0])
+    )
+    assert serving(kjt).values()[:, 0].tolist() == [7.0, 0.0]
+    ec = HashEmbeddingCollection(
+        tables=[HashEmbeddingConfig(name="item", embedding_dim=4, num_embeddings=8, feature_names=["hist", "cand"])],
+        device="meta",
+    )
+    unpooled = ServingEmbeddingCollection(ec, "float32")
+    unpooled.apply_version(_version("full", {"item": ([-1, 6], [1.0, 6.0], [])}, "float32"))
+    kjt = KeyedJaggedTensor(
+        keys=["hist", "cand"], values=torch.tensor([6, -1, 8, 6]), lengths=torch.tensor([2, 1, 0, 1])
+    )
+    out = unpooled(kjt)
+    assert out["hist"].values()[:, 0].tolist() == [6.0, 1.0, 0.0] and out["hist"].lengths().tolist() == [2, 1]
+    assert out["cand"].values()[:, 0].tolist() == [6.0] and out["cand"].lengths().tolist() == [0, 1]
