@@ -17,6 +17,7 @@ from recsdk.embedding import replay
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "little_demo" / "main.py"
+SERVE = ROOT / "examples" / "little_demo" / "serve.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TABLE_KEYS = {"module", "size", "capacity", "inserts", "evictions", "admission_rejects", "lookups", "hits", "hit_rate"}
 CACHE_KEYS = {"cache_slots", "cache_lookups", "cache_hits", "cache_hit_rate", "swap_ins", "swap_outs"} | {
@@ -138,6 +139,18 @@ def test_a_device_cache_trains_the_same_model(
         name: s["size"] for name, s in cached["tables"].items()
     }
     assert "published 3 versions" in proc.stdout
+    # The demo's server, started on what the trainer published (it catches up to the last
+    # version at once), and at the end the trainer's final eval scores, served.
+    flags = ["--world-size", "2", "--steps", str(RANDOM_STEPS), "--publish-dir", str(published)]
+    flags += ["--trainer-out", str(out), "--interval-s", "0.05", "--timeout-s", "30"]
+    serve = subprocess.run(
+        [sys.executable, str(SERVE), *flags], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert serve.returncode == 0, serve.stdout[-2000:] + serve.stderr[-4000:]
+    served = [line.split()[:4] for line in serve.stdout.splitlines() if line.startswith("version")]
+    assert served[-1] == ["version", "2", "(delta,", "step"], serve.stdout
+    diff = float(serve.stdout.split("max |served - trainer's final eval| = ")[1].split()[0])
+    assert diff <= 1e-6, serve.stdout
 
 
 def test_demo_on_a_criteo_file(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
 from model import DLRM, file_tables, random_sequence_tables, random_tables
+from safetensors.torch import save_file
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints, Topology
@@ -305,9 +306,12 @@ def train(
             if publisher is not None and (step % args.publish_every == 0 or step == args.steps):
                 publisher.publish(step=step)  # between steps: batches mapped ahead are left out until they compute
             if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc)))
+                scores: list[torch.Tensor] = []
+                evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc, scores)))
                 if rank == 0:
                     bar.write(f"step {step:>5}: eval AUC {evals[-1][1]:.4f}")
+                if publisher is not None and step == args.steps:
+                    _save_eval_scores(scores, Path(args.out), host_gp, rank)
     return {
         "losses": torch.stack(losses).cpu().tolist(),
         "evals": evals,
@@ -319,9 +323,14 @@ def train(
 
 
 def evaluate(
-    pipeline: HybridTrainPipelineSparseDist, ddp_model: torch.nn.Module, held_out: list[Any], auroc: BinaryAUROC
+    pipeline: HybridTrainPipelineSparseDist,
+    ddp_model: torch.nn.Module,
+    held_out: list[Any],
+    auroc: BinaryAUROC,
+    scores: list[torch.Tensor] | None = None,
 ) -> float:
-    """AUC over every rank's held-out batches, through the same pipeline in eval mode."""
+    """AUC over every rank's held-out batches, through the same pipeline in eval mode (this
+    rank's scores appended to ``scores``, batch by batch)."""
     ddp_model.eval()  # forward only; the id tables are only read
     batches: Iterator[Any] = iter(held_out)
     while True:
@@ -330,10 +339,21 @@ def evaluate(
         except StopIteration:
             break
         auroc.update(probs.cpu(), labels.cpu().long())
+        if scores is not None:
+            scores.append(probs.detach().cpu())
     ddp_model.train()
     value = float(auroc.compute())
     auroc.reset()
     return value
+
+
+def _save_eval_scores(scores: list[torch.Tensor], out: Path, host_gp: dist.ProcessGroup, rank: int) -> None:
+    """The final eval's scores of every rank's held-out batches, in rank order, into
+    ``out/eval_scores.safetensors`` (what serve.py compares its served scores with)."""
+    everyone: list[Any] = [None] * dist.get_world_size(host_gp)
+    dist.all_gather_object(everyone, torch.cat(scores), group=host_gp)
+    if rank == 0:
+        save_file({"scores": torch.cat(everyone).contiguous()}, str(out / "eval_scores.safetensors"))
 
 
 def best_possible_auc(data: DemoData, auroc: BinaryAUROC) -> float | None:

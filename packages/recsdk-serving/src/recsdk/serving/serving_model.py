@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, Se
 __all__ = ["ServingModel"]
 
 _Serving = ServingEmbeddingBagCollection | ServingEmbeddingCollection
+_REFRESH_SWITCH_INTERVAL_S = 0.0002
 
 
 class ServingModel:
@@ -65,6 +69,8 @@ class ServingModel:
         self._lock = ReadWriteLock()
         self._refreshing = threading.Lock()
         self._version: int | None = None
+        self._step = 0
+        self._kind = ""
         self._follower: threading.Thread | None = None
         self._stop = threading.Event()
         self.last_error: BaseException | None = None
@@ -108,26 +114,41 @@ class ServingModel:
         assert self._version is not None
         return self._version
 
+    @property
+    def step(self) -> int:
+        """The training step the version served was published at."""
+        return self._step
+
+    @property
+    def kind(self) -> str:
+        """The kind of the version last applied: ``"full"`` or ``"delta"``."""
+        return self._kind
+
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """``model(*inputs, **kwargs)`` in eval mode under ``torch.no_grad()``, on one version."""
         with self._lock.reading(), torch.no_grad():
             return self.model(*inputs, **kwargs)
 
-    def refresh(self) -> int:
+    def refresh(self, max_versions: int | None = None) -> int:
         """Apply every newer complete version, in order; returns how many were applied.
 
         A newer full version is applied first (the deltas before it are not needed), then each
         delta after it on top of its parent. A version already applied is never applied again.
 
+        Args:
+            max_versions (int | None): apply at most this many (the oldest first); None: all.
+
         Raises:
             PublicationError: a delta whose parent is missing (naming the missing version), or a
                 damaged or foreign file; the model keeps serving the last version it applied.
         """
-        with self._refreshing:
+        with self._refreshing, _short_switch_interval():
             versions = [v for v in list_versions(self.root) if self._version is None or v > self._version]
             fulls = [v for v in versions if read_manifest(self.root, v)["kind"] == "full"]
             if fulls:
                 versions = [v for v in versions if v >= fulls[-1]]
+            if max_versions is not None:
+                versions = versions[:max_versions]
             applied = 0
             for v in versions:
                 published = self._read(v)
@@ -196,7 +217,31 @@ class ServingModel:
             for collection in self._collections.values():
                 collection.apply_version(published)
             self.model.load_state_dict(published.dense, strict=False)
-            self._version = published.version
+            self._version, self._step, self._kind = published.version, published.step, published.kind
+
+
+_switch = {"users": 0, "before": 0.0}
+_switch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Iterator[None]:
+    """Python's thread switch interval at 0.2 ms while versions are read and applied (then as it
+    was, once no refresh of any ServingModel runs): the refreshing thread and the forwarding
+    threads both run Python, and at the default 5 ms a forward waits up to that long each time
+    the refresh holds the GIL."""
+    with _switch_lock:
+        if _switch["users"] == 0:
+            _switch["before"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["before"], _REFRESH_SWITCH_INTERVAL_S))
+        _switch["users"] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch["users"] -= 1
+            if _switch["users"] == 0:
+                sys.setswitchinterval(_switch["before"])
 
 
 def _configs(module: HashEmbeddingBagCollection | HashEmbeddingCollection) -> list[Any]:
