@@ -17,6 +17,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
+from recsdk.data.testing import rank_slice
 from recsdk.embedding import (
     HashEmbeddingBagCollection,
     HashEmbeddingBagConfig,
@@ -108,20 +109,6 @@ def make_batch(n: int, seed: int) -> Batch:
     )
     labels = (torch.rand(n, generator=g) < 0.3).float()
     return Batch(torch.rand(n, NUM_DENSE, generator=g), kjt, labels)
-
-
-def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
-    """Rank ``rank``'s contiguous share of a global batch."""
-    b = batch.labels.numel() // world_size
-    lo, hi = rank * b, (rank + 1) * b
-    per_key = batch.sparse_features.to_dict()
-    lengths, values = [], []
-    for key in batch.sparse_features.keys():
-        jt = per_key[key]
-        lengths.append(jt.lengths()[lo:hi])
-        values.append(jt.values()[jt.offsets()[lo] : jt.offsets()[hi]])
-    kjt = KeyedJaggedTensor(keys=batch.sparse_features.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(batch.dense_features[lo:hi], kjt, batch.labels[lo:hi])
 
 
 def shard(model: nn.Module, sharding: str, batch_size: int, cached: bool = False) -> DistributedModelParallel:

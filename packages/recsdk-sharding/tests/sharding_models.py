@@ -10,7 +10,6 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch, RandomRecDataset
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
@@ -114,22 +113,6 @@ def const_init(weight: torch.Tensor) -> torch.Tensor:
     different rows) then start from identical embeddings per id."""
     with torch.no_grad():
         return weight.copy_(torch.linspace(-0.1, 0.1, weight.shape[-1]).expand_as(weight))
-
-
-def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
-    """Rank ``rank``'s contiguous slice of a global batch (every rank gets B / world_size samples)."""
-    b = batch.batch_size // world_size
-    lo, hi = rank * b, (rank + 1) * b
-    kjt = batch.sparse_features
-    per_key = kjt.to_dict()
-    lengths, values = [], []
-    for key in kjt.keys():
-        jt = per_key[key]
-        offsets = jt.offsets()
-        lengths.append(jt.lengths()[lo:hi])
-        values.append(jt.values()[offsets[lo] : offsets[hi]])
-    local = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(batch.dense_features[lo:hi], local, batch.labels[lo:hi])
 
 
 def synthetic_data(rank: int, world_size: int, num_batches: int, batch_size: int, sample_seed: int) -> RandomRecDataset:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharding_models import SparseNN, const_init, rank_slice, shard, sharded_hash_ebc, tables
+from sharding_models import SparseNN, const_init, shard, sharded_hash_ebc, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
+from recsdk.data.testing import rank_slice, run_distributed
 
 VOCAB, STEPS = 64, 8
 OPTIMIZERS = {

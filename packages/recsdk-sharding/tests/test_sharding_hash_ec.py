@@ -15,7 +15,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
+from recsdk.data.testing import rank_slice, run_distributed
 from recsdk.embedding import HashEmbeddingCollection, HashEmbeddingConfig, LRUEviction
 from recsdk.sharding import ShardedHashEmbeddingCollection, sharded_hash_modules
 
@@ -78,19 +78,6 @@ def _batch(n: int, seed: int) -> Batch:
     return Batch(torch.zeros(n, 1), kjt, torch.randint(0, 2, (n,), generator=g).float())
 
 
-def _slice(batch: Batch, rank: int, world_size: int) -> Batch:
-    b = batch.labels.numel() // world_size
-    lo, hi = rank * b, (rank + 1) * b
-    per_key = batch.sparse_features.to_dict()
-    lengths, values = [], []
-    for key in batch.sparse_features.keys():
-        jt = per_key[key]
-        lengths.append(jt.lengths()[lo:hi])
-        values.append(jt.values()[jt.offsets()[lo] : jt.offsets()[hi]])
-    kjt = KeyedJaggedTensor(keys=batch.sparse_features.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
-    return Batch(batch.dense_features[lo:hi], kjt, batch.labels[lo:hi])
-
-
 def _sharded_model(sharding_type: str | None, **kwargs) -> tuple[nn.Module, ShardedHashEmbeddingCollection]:
     torch.manual_seed(1)
     model = SeqNN("meta", **kwargs)
@@ -111,13 +98,13 @@ def _per_id(ids: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> dict
 def _train_sharded(rank: int, world_size: int, sharding_type: str) -> dict:
     ddp_model, sec = _sharded_model(sharding_type)
     for step in range(STEPS):
-        loss, _ = ddp_model(_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+        loss, _ = ddp_model(rank_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
         loss.backward()
     views = sec.table_views()
     tables = {name: _per_id(*t.ids_and_rows(), views[name].weight) for name, t in sec.id_tables.items()}
     ddp_model.eval()
     with torch.no_grad():
-        eval_batch = _slice(_batch(GLOBAL_BATCH, seed=999), rank, world_size)
+        eval_batch = rank_slice(_batch(GLOBAL_BATCH, seed=999), rank, world_size)
         out = {k: (jt.lengths(), jt.values()) for k, jt in sec(eval_batch.sparse_features).wait().items()}
     return {"tables": tables, "plan": {n: ps.sharding_type for n, ps in sec.module_sharding_plan.items()}, "out": out}
 
@@ -159,7 +146,7 @@ def test_sharded_ec_trains_equal_to_unsharded_per_id(sharding_type: str) -> None
     # Eval on each rank's slice: one embedding per id, in input order, as the unsharded module.
     model.eval()
     for rank, r in enumerate(per_rank):
-        expected = model.ec(_slice(_batch(GLOBAL_BATCH, seed=999), rank, 2).sparse_features)
+        expected = model.ec(rank_slice(_batch(GLOBAL_BATCH, seed=999), rank, 2).sparse_features)
         got = r["out"]
         assert set(got) == set(expected)
         for key, jt in expected.items():
@@ -202,7 +189,7 @@ def _planner_choice(rank: int, world_size: int) -> dict:
     ddp_model, sec = _sharded_model(None, capacity=4096, eviction=LRUEviction())
     losses = []
     for step in range(4):
-        loss, _ = ddp_model(_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+        loss, _ = ddp_model(rank_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
         loss.backward()
         losses.append(float(loss))
     return {"plan": {n: ps.sharding_type for n, ps in sec.module_sharding_plan.items()}, "losses": losses}
@@ -289,7 +276,7 @@ def _cached_vs_resident(rank: int, world_size: int) -> dict:
         (sec,) = sharded_hash_modules(ddp_model).values()
         losses = []
         for step in range(STEPS):
-            loss, _ = ddp_model(_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+            loss, _ = ddp_model(rank_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
             loss.backward()
             losses.append(loss.item())
         views = sec.table_views()

@@ -17,7 +17,7 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
+from recsdk.data.testing import rank_slice, run_distributed
 from recsdk.embedding import (
     CountAdmission,
     HashEmbeddingBagConfig,
@@ -329,14 +329,14 @@ def test_retention_keeps_what_rebuilds_the_latest(tmp_path: Path, keep: int | No
 
 
 def _unpooled(rank: int, world_size: int, root: str, sharding: str) -> dict:
-    from test_sharding_hash_ec import _batch, _sharded_model, _slice
+    from test_sharding_hash_ec import _batch, _sharded_model
 
     torch.set_num_threads(1)
     dmp, _ = _sharded_model(sharding, capacity=160, admission=CountAdmission(threshold=2), eviction=LFUEviction())
     publisher = Publisher(dmp, os.path.join(root, "pub"), full_every=3)
     problems = []
     for step in range(10):
-        loss, _ = dmp(_slice(_batch(32, seed=step), rank, world_size))
+        loss, _ = dmp(rank_slice(_batch(32, seed=step), rank, world_size))
         loss.backward()
         if step % 2:
             version = publisher.publish(step=step)

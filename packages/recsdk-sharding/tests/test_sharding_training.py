@@ -7,14 +7,14 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from sharding_models import SparseNN, auc, const_init, rank_slice, shard, sharded_hash_ebc, synthetic_data, tables
+from sharding_models import SparseNN, auc, const_init, shard, sharded_hash_ebc, synthetic_data, tables
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
+from recsdk.data.testing import rank_slice, run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection
 
 

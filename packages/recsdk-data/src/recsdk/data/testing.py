@@ -19,9 +19,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestError", "build_wheel_files", "free_port", "run_distributed"]
+from recsdk.data.batch import Batch
+
+__all__ = ["DistributedTestError", "build_wheel_files", "free_port", "rank_slice", "run_distributed"]
 
 
 class DistributedTestError(RuntimeError):
@@ -210,3 +213,29 @@ def build_wheel_files(package_dir: str | os.PathLike[str], out_dir: str | os.Pat
         raise RuntimeError(f"expected one wheel in {out}, found {[w.name for w in wheels]}")
     with zipfile.ZipFile(wheels[0]) as zf:
         return zf.namelist()
+
+
+def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank ``rank``'s contiguous share of a global batch: its ``B / world_size`` samples, the
+    ids of every feature with them (how the tests give each rank its part of one global batch).
+
+    Args:
+        batch (Batch): the global batch.
+        rank (int): the rank.
+        world_size (int): the ranks sharing it (``B`` a multiple of it).
+
+    Returns:
+        Batch: samples ``[rank * B / world_size, (rank + 1) * B / world_size)``.
+    """
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    b = batch.labels.numel() // world_size
+    lo, hi = rank * b, (rank + 1) * b
+    per_key = batch.sparse_features.to_dict()
+    lengths, values = [], []
+    for key in batch.sparse_features.keys():
+        jt = per_key[key]
+        lengths.append(jt.lengths()[lo:hi])
+        values.append(jt.values()[jt.offsets()[lo] : jt.offsets()[hi]])
+    kjt = KeyedJaggedTensor(keys=batch.sparse_features.keys(), values=torch.cat(values), lengths=torch.cat(lengths))
+    return Batch(batch.dense_features[lo:hi], kjt, batch.labels[lo:hi])
