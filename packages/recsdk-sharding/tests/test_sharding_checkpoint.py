@@ -20,7 +20,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recsdk.data import RandomRecDataset
-from recsdk.data.testing import DistributedTestError, run_distributed
+from recsdk.data.testing import DistributedTestError, rank_slice, run_distributed
 from recsdk.embedding import CountAdmission, HashEmbeddingBagConfig, LRUEviction, TTLEviction
 from recsdk.sharding import (
     ShardedHashEmbeddingBagCollection,
@@ -445,13 +445,13 @@ def _per_id_rows(sec) -> dict[int, list[torch.Tensor]]:
 
 
 def _ec_round_trip(rank: int, world_size: int, root: str, save: bool) -> dict[str, Any]:
-    from test_sharding_hash_ec import GLOBAL_BATCH, _batch, _sharded_model, _slice
+    from test_sharding_hash_ec import GLOBAL_BATCH, _batch, _sharded_model
 
     ddp_model, sec = _sharded_model("row_wise" if world_size > 1 else None)
 
     def train(start: int, stop: int) -> None:
         for step in range(start, stop):
-            loss, _ = ddp_model(_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
+            loss, _ = ddp_model(rank_slice(_batch(GLOBAL_BATCH, seed=step), rank, world_size))
             loss.backward()
 
     path = os.path.join(root, "ec")
