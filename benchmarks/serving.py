@@ -70,7 +70,7 @@ def _publish(rank: int, world_size: int, args: argparse.Namespace, roots: dict[s
         per_table = args.delta_rows // args.tables
         views = module.table_views()
         for name, table in module.id_tables.items():
-            stored, rows = table.ids_and_rows()
+            _, rows = table.ids_and_rows()
             pick = rows[torch.randperm(rows.numel(), generator=gen)[:per_table]]
             with torch.no_grad():
                 views[name].weight[pick] += 0.01
