@@ -195,3 +195,13 @@ def test_the_serving_collections_work_under_torchscript(tmp_path: Path, publishe
             assert torch.equal(scripted[feature].values(), eager[feature].values())
     assert serving.version == 2
     assert list_versions(root) == [0, 1, 2]
+
+
+def test_bad_arguments_are_refused(tmp_path: Path, published: tuple[Path, list]) -> None:
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, got str"):
+        ServingModel("model", tmp_path)
+    with pytest.raises(ValueError, match="holds no HashEmbeddingBagCollection"):
+        ServingModel(torch.nn.Linear(2, 2), tmp_path)
+    serving = ServingModel(Recommender("cpu"), copy_versions(published, tmp_path / "pub", [0]))
+    with pytest.raises(ValueError, match="interval_s must be a number > 0, got 0"):
+        serving.follow(interval_s=0)

@@ -376,3 +376,44 @@ def test_a_rank_holding_no_table_does_not_force_full_versions(tmp_path: Path) ->
     results = run_distributed(_one_table, 2, str(tmp_path / "pub"))
     assert sorted(r["tables_here"] for r in results) == [0, 1]
     assert results[0]["kinds"] == ["full", "delta", "delta"]
+
+
+# ---- bad arguments -----------------------------------------------------------------------------
+
+
+def _bad_arguments(rank: int, world_size: int, root: str) -> dict:
+    torch.set_num_threads(1)
+    dmp, _ = build("row_wise")
+    errors = {}
+    cases = {
+        "full_every": lambda: Publisher(dmp, root, full_every=0),
+        "dtype": lambda: Publisher(dmp, root, dtype=torch.bfloat16),
+        "keep": lambda: Publisher(dmp, root, keep=0),
+        "model": lambda: Publisher("model", root),
+        "unsharded": lambda: Publisher(SparseNN(_tables(), num_dense=4, device="cpu"), root),
+    }
+    for name, make in cases.items():
+        try:
+            make()
+            errors[name] = None
+        except (TypeError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    publisher = Publisher(dmp, root)
+    try:
+        publisher.publish(step=-1)
+    except ValueError as e:
+        errors["step"] = f"ValueError: {e}"
+    errors["written"] = sorted(os.listdir(root))
+    return errors
+
+
+def test_bad_arguments_are_refused_naming_them_before_anything_is_written(tmp_path: Path) -> None:
+    errors = run_distributed(_bad_arguments, 2, str(tmp_path / "pub"))[0]
+    assert errors["full_every"] == "ValueError: full_every must be an int >= 1, got 0"
+    assert errors["dtype"].startswith("ValueError: dtype must be torch.float32, torch.float16 or torch.uint8")
+    assert errors["keep"] == "ValueError: keep must be an int >= 1 or None, got 0"
+    assert errors["model"] == "TypeError: model must be an nn.Module, got str"
+    assert errors["unsharded"].startswith("TypeError: module 'ebc' is an unsharded HashEmbeddingBagCollection"), errors
+    assert "publications cover hash tables sharded" in errors["unsharded"]
+    assert errors["step"] == "ValueError: step must be an int >= 0, got -1"
+    assert errors["written"] == []
