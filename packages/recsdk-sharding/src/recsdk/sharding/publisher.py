@@ -194,8 +194,8 @@ class Publisher:
         full = version % self.full_every == 0 or not continuous
         final = version_path(self.root, version)
         tmp = begin_directory(final, comm, "publication")
-        snapshots = {fqn: module.change_snapshots(full=full) for fqn, module in self._modules.items()}
         try:
+            snapshots = comm.run(self._snapshots, full)
             written = comm.run(self._write, tmp, snapshots, dense, comm.rank)
             everyone = comm.gather(written)
             records = {
@@ -266,6 +266,10 @@ class Publisher:
             "new_token": secrets.token_hex(8),
         }
 
+    def _snapshots(self, full: bool) -> dict[str, dict[str, ChangeSnapshot]]:
+        """Per hash module, what this rank's tables put in the version (see ``change_snapshots``)."""
+        return {fqn: module.change_snapshots(full=full) for fqn, module in self._modules.items()}
+
     def _write(
         self, tmp: str, snapshots: dict[str, dict[str, ChangeSnapshot]], dense: dict[str, torch.Tensor], rank: int
     ) -> dict[str, Any]:
@@ -324,9 +328,13 @@ class Publisher:
         }
 
     def _retire(self) -> None:
-        """Rank 0, after publishing: remove the versions retention no longer keeps (best effort:
-        the manifest first, so a half-removed version is never taken for a complete one)."""
-        versions = list_versions(self.root)
+        """Rank 0, after publishing: remove the versions retention no longer keeps (best effort,
+        nothing raised: the version is published; the manifest goes first, so a half-removed
+        version is never taken for a complete one)."""
+        try:
+            versions = list_versions(self.root)
+        except OSError:
+            return
         fulls = [v for v in versions if _kind(self.root, v) == "full"]
         floor = max(fulls) if fulls else versions[0]  # the latest full version, and every delta after it
         if self.keep is not None:
