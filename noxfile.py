@@ -26,7 +26,7 @@ PACKAGES = ["data", "embedding", "sharding", "pipeline", "serving"]  # a package
 # torchrec 1.8.0's own requirements, minus fbgemm-gpu (fbgemm-gpu-cpu replaces it).
 STACK = ["torch", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "iopath", "tqdm", "numpy"]
 STACK += ["pyarrow", "safetensors"]  # recsdk-data's readers; published versions
-TEST_TOOLS = ["pytest", "hypothesis", "hatchling"]
+TEST_TOOLS = ["pytest", "hypothesis", "hatchling", "torchdata"]  # torchdata: StatefulDataLoader (data position tests)
 
 nox.options.sessions = ["lint", "typecheck", "tests", "integration"]
 nox.options.reuse_venv = "yes"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import IterableDataset
@@ -14,6 +15,7 @@ from recsdk.data.batch import Batch
 from recsdk.data.criteo_fields import ON_BAD_LINE, CriteoRows
 from recsdk.data.criteo_tsv import BadLines, read_criteo_tsv
 from recsdk.data.partition import check_rank_and_world_size, current_shard
+from recsdk.data.read_position import ReadPosition
 
 __all__ = ["CriteoDataset"]
 
@@ -203,12 +205,51 @@ class CriteoDataset(IterableDataset[Batch]):
         self.block_size = check_int("block_size", block_size, minimum=1024)
         self.epoch = 0
         self.bad_lines = 0
+        self._position = ReadPosition("CriteoDataset", self._position_identity)
 
     def set_epoch(self, epoch: int) -> None:
         """Use a different shuffle order for ``epoch`` (no effect without a shuffle buffer)."""
         self.epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[Batch]:
+        return self._position.replay(self._batches())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: the epoch and the batches of it yielded, with what they depend
+        on (files, batch size, shuffle, this rank's and DataLoader worker's shard). torchdata's
+        ``StatefulDataLoader`` convention."""
+        return {"epoch": self.epoch, **self._position.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
+        yielded: the epoch's lines are parsed again up to there (the shuffle replays exactly), and
+        the batches after them are yielded.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: ``state`` is of a reader over other files, batch size, shuffle or shard
+                (every difference named).
+        """
+        if isinstance(state, dict) and "epoch" in state:
+            epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+            self._position.load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+            self.epoch = epoch
+        else:
+            self._position.load_state_dict(state)  # raises, naming what is wrong
+
+    def _position_identity(self) -> dict[str, Any]:
+        shard, num_shards = current_shard(self.rank, self.world_size)
+        return {
+            "paths": [str(p) for p in self.paths],
+            "batch_size": self.batch_size,
+            "shuffle_buffer": self.shuffle_buffer,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "shard": shard,
+            "num_shards": num_shards,
+        }
+
+    def _batches(self) -> Iterator[Batch]:
         shard, num_shards = current_shard(self.rank, self.world_size)
         self.bad_lines = 0
         rng = None

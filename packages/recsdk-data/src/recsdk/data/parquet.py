@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,7 @@ from recsdk.data._checks import check_bool, check_choice, check_int, check_names
 from recsdk.data.batch import Batch
 from recsdk.data.hashing import hash_strings
 from recsdk.data.partition import check_rank_and_world_size, current_shard
+from recsdk.data.read_position import ReadPosition
 
 __all__ = ["ParquetRecDataset"]
 
@@ -194,6 +196,7 @@ class ParquetRecDataset(IterableDataset[Batch]):
         self.rank, self.world_size = rank, world_size
         self.drop_last = check_bool("drop_last", drop_last)
         self.shard_by = check_choice("shard_by", shard_by, SHARD_BY)
+        self._position = ReadPosition("ParquetRecDataset", self._position_identity)
         self._columns = list(
             dict.fromkeys([label_column, *self.dense_columns, *self.sparse_columns, *self.weight_columns.values()])
         )
@@ -233,6 +236,38 @@ class ParquetRecDataset(IterableDataset[Batch]):
                     )
 
     def __iter__(self) -> Iterator[Batch]:
+        return self._position.replay(self._batches())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: the batches yielded, with what they depend on (files, columns,
+        batch size, this rank's and DataLoader worker's shard). torchdata's ``StatefulDataLoader``
+        convention."""
+        return self._position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
+        yielded (the rows before them are read again and dropped).
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: ``state`` is of a reader over other files, batch size or shard (every
+                difference named).
+        """
+        self._position.load_state_dict(state)
+
+    def _position_identity(self) -> dict[str, Any]:
+        shard, num_shards = current_shard(self.rank, self.world_size)
+        return {
+            "paths": [str(p) for p in self.paths],
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shard_by": self.shard_by,
+            "sparse_columns": list(self.sparse_columns),
+            "shard": shard,
+            "num_shards": num_shards,
+        }
+
+    def _batches(self) -> Iterator[Batch]:
         shard, num_shards = current_shard(self.rank, self.world_size)
         pending: list[_Rows] = []
         pending_rows = 0

@@ -17,6 +17,7 @@ from recsdk.data._synthetic import hash_gaussian, power_law_indices, scrambled_i
 from recsdk.data.batch import Batch
 from recsdk.data.hashing import unmix64
 from recsdk.data.partition import check_rank_and_world_size, current_worker, resolve_rank_and_world_size
+from recsdk.data.read_position import ReadPosition
 
 __all__ = ["RandomRecDataset"]
 
@@ -153,6 +154,7 @@ class RandomRecDataset(IterableDataset[Batch]):
         dense_rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, _TAG_DENSE])))
         dense_std = DENSE_LOGIT_STD / math.sqrt(max(self.num_dense_features, 1))
         self._dense_weights = dense_rng.normal(0.0, dense_std, self.num_dense_features)
+        self._position = ReadPosition("RandomRecDataset", self._position_identity)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -160,8 +162,40 @@ class RandomRecDataset(IterableDataset[Batch]):
     def __iter__(self) -> Iterator[Batch]:
         rank, _ = resolve_rank_and_world_size(self.rank, self.world_size)
         worker, num_workers = current_worker()
-        for b in range(worker, self.num_batches, num_workers):
-            yield self.make_batch(b, rank=rank)
+        skip = self._position.start()  # batches a loaded state already yielded: not generated again
+        for b in range(worker + skip * num_workers, self.num_batches, num_workers):
+            batch = self.make_batch(b, rank=rank)
+            self._position.advance()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """This reader's position: the batches it has yielded, with what they depend on (the
+        seeds, sizes, rank and DataLoader worker). torchdata's ``StatefulDataLoader`` convention."""
+        return self._position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
+        yielded.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: ``state`` is of another dataset, rank or worker (every difference named).
+        """
+        self._position.load_state_dict(state)
+
+    def _position_identity(self) -> dict[str, Any]:
+        rank, world_size = resolve_rank_and_world_size(self.rank, self.world_size)
+        worker, num_workers = current_worker()
+        return {
+            "num_batches": self.num_batches,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "sample_seed": self.sample_seed,
+            "rank": rank,
+            "world_size": world_size,
+            "worker": worker,
+            "num_workers": num_workers,
+        }
 
     # -- generation -----------------------------------------------------------------
 
