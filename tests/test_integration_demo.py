@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from recsdk.data import CRITEO_SPARSE_FEATURES, write_synthetic_criteo
 from recsdk.embedding import replay
@@ -232,3 +233,27 @@ def test_bad_flags_are_refused_naming_them(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and named in lines[0], err
     assert out == ""
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_demo_data_resumes_under_a_stateful_dataloader(demo_main: Any, num_workers: int) -> None:
+    """The demo's synthetic data has a data position: a StatefulDataLoader's state resumes it."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset = sys.modules["dataset"]  # imported by the demo's main
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(dataset.HistoryRecDataset(8, 10, seed=1), batch_size=None, num_workers=num_workers)
+
+    everything = list(loader())
+    first = loader()
+    it = iter(first)
+    taken = [next(it) for _ in range(4)]
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    rest = list(resumed)
+    assert len(taken) + len(rest) == len(everything) == 10
+    for got, want in zip(taken + rest, everything, strict=True):
+        assert torch.equal(got.labels, want.labels)
+        assert torch.equal(got.sparse_features.values(), want.sparse_features.values())
+        assert torch.equal(got.sequence_features.values(), want.sequence_features.values())

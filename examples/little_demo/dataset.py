@@ -48,6 +48,7 @@ from recsdk.data import (
     CriteoDataset,
     ParquetRecDataset,
     RandomRecDataset,
+    ReadPosition,
     mix64,
 )
 
@@ -226,6 +227,7 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
         first = teacher.integers(0, NUM_CLUSTERS, NUM_USERS)
         second = (first + teacher.integers(1, NUM_CLUSTERS, NUM_USERS)) % NUM_CLUSTERS
         self._user_clusters = np.stack([first, second, first], axis=1)  # column 2: "any", drawn per item
+        self._position = ReadPosition("HistoryRecDataset", self._position_identity)
 
     def __len__(self) -> int:
         return self.num_batches
@@ -233,8 +235,34 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
     def __iter__(self) -> Iterator[HistoryBatch]:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        for b in range(worker, self.num_batches, num_workers):
-            yield self.make_batch(b, rank=self.rank)[0]
+        skip = self._position.start()  # batches a loaded state already yielded: not generated again
+        for b in range(worker + skip * num_workers, self.num_batches, num_workers):
+            batch = self.make_batch(b, rank=self.rank)[0]
+            self._position.advance()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (torchdata's ``StatefulDataLoader`` convention): batches yielded."""
+        return self._position.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the batches ``state`` had yielded (a state of another dataset, rank or
+        worker raises ``ValueError`` naming each difference)."""
+        self._position.load_state_dict(state)
+
+    def _position_identity(self) -> dict[str, Any]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return {
+            "num_batches": self.num_batches,
+            "batch_size": self.batch_size,
+            "history": self.history,
+            "seed": self.context.seed,
+            "sample_seed": self.sample_seed,
+            "rank": self.rank,
+            "worker": worker,
+            "num_workers": num_workers,
+        }
 
     def _items(self, rng: np.random.Generator, users: npt.NDArray[np.int64], sources: tuple[float, ...]) -> Any:
         """One item index per entry of ``users``, from the user's clusters or any, per ``sources``."""

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from recsdk.data.parquet import ParquetRecDataset
     from recsdk.data.partition import current_shard, resolve_rank_and_world_size
     from recsdk.data.random_dataset import RandomRecDataset
+    from recsdk.data.read_position import ReadPosition
 
 # Each public name's module; a literal import per module, so the dependency test can read them.
 _MODULES = {
@@ -42,6 +43,7 @@ _MODULES = {
     "DEVICE_TYPES": "device",
     "ParquetRecDataset": "parquet",
     "RandomRecDataset": "random_dataset",
+    "ReadPosition": "read_position",
     "backend_for": "device",
     "convert_criteo": "criteo_convert",
     "current_shard": "partition",
@@ -67,6 +69,7 @@ _LOADERS: dict[str, Callable[[], ModuleType]] = {
     "device": lambda: importlib.import_module("recsdk.data.device"),
     "hashing": lambda: importlib.import_module("recsdk.data.hashing"),
     "parquet": lambda: importlib.import_module("recsdk.data.parquet"),
+    "read_position": lambda: importlib.import_module("recsdk.data.read_position"),
     "partition": lambda: importlib.import_module("recsdk.data.partition"),
     "random_dataset": lambda: importlib.import_module("recsdk.data.random_dataset"),
 }
@@ -80,6 +83,7 @@ __all__ = [
     "CriteoDataset",
     "ParquetRecDataset",
     "RandomRecDataset",
+    "ReadPosition",
     "backend_for",
     "convert_criteo",
     "current_shard",
