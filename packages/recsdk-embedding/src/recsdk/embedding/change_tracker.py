@@ -174,8 +174,3 @@ class RowChangeTracker:
         if snap.excluded.numel():  # still to be published, once reset
             self._stamp.index_fill_(0, snap.excluded, self._epoch)
         self.token = token
-
-    @property
-    def pending_deletions(self) -> int:
-        """Departed published ids not yet in a committed version (with repeats)."""
-        return sum(t.numel() for t in self._left)

@@ -44,6 +44,7 @@ __all__ = [
     "describe_table",
     "differences",
     "encode_rows",
+    "full_versions",
     "latest_version",
     "list_versions",
     "read_manifest",
@@ -86,6 +87,16 @@ def list_versions(root: str | os.PathLike[str]) -> list[int]:
     return sorted(
         int(n) for n in names if _VERSION_NAME.match(n) and os.path.isfile(os.path.join(root, n, PUBLICATION_MANIFEST))
     )
+
+
+def full_versions(root: str | os.PathLike[str], versions: list[int] | None = None) -> list[int]:
+    """The full versions among ``versions`` (default: every complete version under ``root``), ascending.
+
+    Raises:
+        PublicationError: a manifest cannot be read as a publication's.
+    """
+    candidates = list_versions(root) if versions is None else versions
+    return [v for v in candidates if read_manifest(root, v)["kind"] == "full"]
 
 
 def latest_version(root: str | os.PathLike[str]) -> int | None:
@@ -317,7 +328,7 @@ def replay(root: str | os.PathLike[str], version: int | None = None) -> Publishe
         if not versions:
             raise PublicationError(f"no complete version under {os.fspath(root)!r}")
         version = versions[-1]
-    fulls = [v for v in versions if v <= version and read_manifest(root, v)["kind"] == "full"]
+    fulls = full_versions(root, [v for v in versions if v <= version])
     if not fulls:
         raise PublicationError(f"no full version at or before {version} under {os.fspath(root)!r}")
     state = read_version(root, fulls[-1])

@@ -20,7 +20,7 @@ from recsdk.embedding import (
     list_versions,
     read_version,
 )
-from recsdk.embedding.publication import describe_table, differences, read_manifest
+from recsdk.embedding.publication import describe_table, differences, full_versions
 from recsdk.serving.rw_lock import ReadWriteLock
 from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, ServingEmbeddingCollection
 
@@ -144,7 +144,7 @@ class ServingModel:
         """
         with self._refreshing, _short_switch_interval():
             versions = [v for v in list_versions(self.root) if self._version is None or v > self._version]
-            fulls = [v for v in versions if read_manifest(self.root, v)["kind"] == "full"]
+            fulls = full_versions(self.root, versions)
             if fulls:
                 versions = [v for v in versions if v >= fulls[-1]]
             if max_versions is not None:
@@ -197,7 +197,7 @@ class ServingModel:
 
     def _chain_start(self) -> int:
         versions = list_versions(self.root)
-        fulls = [v for v in versions if read_manifest(self.root, v)["kind"] == "full"]
+        fulls = full_versions(self.root, versions)
         if not fulls:
             raise PublicationError(
                 f"no complete full version under {self.root!r} (versions: {versions}); serving starts from one"

@@ -63,7 +63,7 @@ def dense_state(model: nn.Module, modules: Mapping[str, HashModule], rank: int) 
             if whole is not None:
                 out[key] = whole
             continue
-        if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+        if type(value) is not torch.Tensor:  # a DTensor or another subclass, or no tensor
             raise TypeError(
                 f"state_dict entry {key!r} is a {type(value).__name__}: a publication holds recsdk's hash tables "
                 "by id and every other tensor whole (plain tensors, or ShardedTensors gathered)"

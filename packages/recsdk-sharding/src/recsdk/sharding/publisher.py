@@ -42,7 +42,9 @@ from recsdk.embedding.publication import (
     FORMAT_VERSION,
     PUBLICATION_FORMAT,
     PUBLICATION_MANIFEST,
+    PublicationError,
     differences,
+    full_versions,
     list_versions,
     read_manifest,
     version_path,
@@ -245,21 +247,17 @@ class Publisher:
 
     def _check_root(self, dense: dict[str, torch.Tensor]) -> list[str]:
         """Rank 0: create the root; how this model differs from the latest version's."""
-        os.makedirs(self.root, exist_ok=True)
-        versions = list_versions(self.root)
-        if not versions:
-            return []
-        return differences(
-            read_manifest(self.root, versions[-1]), self._tables, {k: list(v.shape) for k, v in dense.items()}
-        )
+        return self._plan(dense)["problems"]
 
     def _plan(self, dense: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Rank 0: the next version's number, the latest's token and dtype, a new token."""
-        problems = self._check_root(dense)
+        """Rank 0: create the root; how this model differs from the latest version's, the next
+        version's number, the latest's token and dtype, a new token."""
+        os.makedirs(self.root, exist_ok=True)
         versions = list_versions(self.root)
         latest = read_manifest(self.root, versions[-1]) if versions else {}
+        shapes = {key: list(value.shape) for key, value in dense.items()}
         return {
-            "problems": problems,
+            "problems": differences(latest, self._tables, shapes) if versions else [],
             "version": versions[-1] + 1 if versions else 0,
             "token": latest.get("token"),
             "dtype": latest.get("dtype"),
@@ -333,9 +331,9 @@ class Publisher:
         version is never taken for a complete one)."""
         try:
             versions = list_versions(self.root)
-        except OSError:
+            fulls = full_versions(self.root, versions)
+        except (OSError, PublicationError):
             return
-        fulls = [v for v in versions if _kind(self.root, v) == "full"]
         floor = max(fulls) if fulls else versions[0]  # the latest full version, and every delta after it
         if self.keep is not None:
             floor = min(floor, versions[max(0, len(versions) - self.keep)])
@@ -348,10 +346,3 @@ class Publisher:
             except OSError:
                 continue
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _kind(root: str, version: int) -> str | None:
-    try:
-        return str(read_manifest(root, version)["kind"])
-    except Exception:
-        return None
