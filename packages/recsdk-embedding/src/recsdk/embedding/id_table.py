@@ -27,6 +27,7 @@ import torch
 from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.embedding.count_sketch import CountMinSketch
 from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
+from recsdk.embedding.id_table_pins import IdTablePins
 from recsdk.embedding.id_table_state import (
     _INT32_MAX,
     _MAX_CAPACITY,
@@ -43,7 +44,7 @@ from recsdk.embedding.slot_index import FbgemmSlotIndex, TorchSlotIndex, make_sl
 __all__ = ["IdTable", "TableFullError"]
 
 
-class IdTable(IdTableState, IdTableEviction):
+class IdTable(IdTableState, IdTableEviction, IdTablePins):
     """Collision-free map from raw int64 ids to rows in ``[0, capacity)``.
 
     Two different ids never share a row, and an id keeps its row until it is evicted. Every
@@ -319,41 +320,6 @@ class IdTable(IdTableState, IdTableEviction):
         self._reassigned_count = 0
         return out
 
-    def pin(self, rows: torch.Tensor) -> None:
-        """Protect rows from eviction and reassignment (reference-counted, int32 counts).
-
-        Each occurrence of a row adds one reference; ``-1`` entries (ids not admitted) are ignored,
-        so the output of :meth:`find_or_insert` can be passed as is.
-
-        Args:
-            rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
-        """
-        flat = self._as_rows(rows, "pin", allow_missing=True)
-        if flat.numel():
-            self._pin_end = max(self._pin_end, int(flat.max()) + 1)
-        self._add_pins(flat, 1)
-
-    def unpin(self, rows: torch.Tensor) -> None:
-        """Drop references taken by :meth:`pin` (same rows, same multiplicity).
-
-        Raises:
-            ValueError: a row would drop below zero references (the table is left unchanged).
-        """
-        flat = self._as_rows(rows, "unpin", allow_missing=True)
-        idx = self._add_pins(flat, -1)
-        below = (self._pins_buf.index_select(0, idx) < 0).nonzero().squeeze(1)
-        if below.numel():
-            row = int(flat[below[0]])
-            self._add_pins(flat, 1)
-            raise ValueError(
-                f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
-                f"(pinned {int(self._pins[row])} times)"
-            )
-
-    def num_pinned(self) -> int:
-        """Number of rows with at least one pin."""
-        return int((self._pins[: max(self._high_water, self._pin_end)] > 0).sum())
-
     def remove(self, ids: torch.Tensor) -> torch.Tensor:
         """Remove ids from the table and free their rows (e.g. to move them to another table).
 
@@ -508,13 +474,6 @@ class IdTable(IdTableState, IdTableEviction):
                 f"IdTable '{self._name}'.{op}: rows must be in [{low}, {self._capacity}), got {int(flat[bad][0])}"
             )
         return flat
-
-    def _add_pins(self, rows: torch.Tensor, delta: int) -> torch.Tensor:
-        """Add ``delta`` to the pin count of each occurrence of ``rows`` (``-1`` entries go to the spare entry)."""
-        idx = rows.masked_fill(rows < 0, self._capacity)
-        self._pins_buf.index_add_(0, idx, torch.full_like(idx, delta, dtype=torch.int32))
-        self._pins_buf[self._capacity] = 0
-        return idx
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""

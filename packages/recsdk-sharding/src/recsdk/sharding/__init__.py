@@ -18,7 +18,7 @@ from recsdk.sharding.checkpoint import (
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
 from recsdk.sharding.cost_model import DEFAULT_COSTS, HybridCosts, HybridPerfEstimator, HybridPerfModel, ShardCost
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
-from recsdk.sharding.host_shards import HostShardedModule, sharded_hash_modules
+from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.input_dist import (
     HostTwSparseFeaturesDist,
     OwnerSequenceFeaturesDist,

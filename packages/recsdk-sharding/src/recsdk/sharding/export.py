@@ -25,7 +25,7 @@ from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.errors import os_reason
 from recsdk.sharding.checkpoint.layout import root
 from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
-from recsdk.sharding.host_shards import HostShardedModule
+from recsdk.sharding.host_sharded_module import HostShardedModule
 
 __all__ = ["EXPORT_MANIFEST", "export_embeddings"]
 

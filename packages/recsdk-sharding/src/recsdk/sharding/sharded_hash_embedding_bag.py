@@ -25,7 +25,8 @@ from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.host_adam import HostAdam
-from recsdk.sharding.host_shards import HostShardedModule, HostShards
+from recsdk.sharding.host_sharded_module import HostShardedModule
+from recsdk.sharding.host_shards import HostShards
 from recsdk.sharding.mean_pooling import MeanPooling
 from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
 
