@@ -45,7 +45,7 @@ def test_is_a_torchrec_config_with_default_init_and_policies() -> None:
         ({"feature_names": ["a", "b", "a"]}, ValueError, r"repeated: \['a'\]"),
         ({"feature_names": ["a", ""]}, ValueError, "non-empty str"),
         ({"pooling": PoolingType.NONE}, ValueError, "SUM or PoolingType.MEAN"),
-        ({"admission": LRUEviction()}, TypeError, "admission must be a CountAdmission"),
+        ({"admission": LRUEviction()}, TypeError, "admission must be CountAdmission"),
         ({"eviction": CountAdmission(2)}, TypeError, "eviction must be"),
     ],
 )
@@ -64,10 +64,13 @@ def test_config_and_id_table_agree_on_capacity_and_policies() -> None:
     with pytest.raises(ValueError, match=rf"IdTable 'clicks': capacity must be in \[1, {limit}\], got {limit + 1}"):
         IdTable(limit + 1, device="meta", name="clicks")
     for kw, tail in (
-        ({"admission": LRUEviction()}, "admission must be a CountAdmission or None, got LRUEviction"),
+        (
+            {"admission": LRUEviction()},
+            "admission must be CountAdmission, ScoreAdmission, ProbabilisticAdmission or None, got LRUEviction",
+        ),
         (
             {"eviction": CountAdmission(2)},
-            "eviction must be LRUEviction, LFUEviction, TTLEviction or None, got CountAdmission",
+            "eviction must be LRUEviction, LFUEviction, TTLEviction, ScoreEviction or None, got CountAdmission",
         ),
     ):
         with pytest.raises(TypeError) as from_config:

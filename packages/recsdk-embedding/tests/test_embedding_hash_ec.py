@@ -104,7 +104,7 @@ def test_config_is_a_torchrec_embedding_config_with_the_bag_configs_checks() -> 
         ({"num_embeddings": 2.5}, TypeError, "num_embeddings must be an int"),
         ({"feature_names": ["a", "a"]}, ValueError, r"repeated: \['a'\]"),
         ({"feature_names": []}, ValueError, "non-empty list"),
-        ({"admission": LRUEviction()}, TypeError, "admission must be a CountAdmission"),
+        ({"admission": LRUEviction()}, TypeError, "admission must be CountAdmission"),
         ({"eviction": CountAdmission(2)}, TypeError, "eviction must be"),
     ):
         with pytest.raises(error, match=match) as info:

@@ -64,14 +64,19 @@ class HybridBatch(Batch):
 class HybridModel(nn.Module):
     """HashEBC (t0 row-wise, t1 table-wise) + a plain EBC (t2) + dense layers; returns (loss, probs)."""
 
-    def __init__(self, capacity: int = 1024, eviction: Any = None) -> None:
+    def __init__(self, capacity: int = 1024, eviction: Any = None, admission: Any = None) -> None:
         super().__init__()
         self.dense = nn.Linear(NUM_DENSE, 8)
         self.over = nn.Linear(8 + 8 + 4 + 4, 1)
         self.ebc = HashEmbeddingBagCollection(
             tables=[
                 HashEmbeddingBagConfig(
-                    name=f"t{i}", embedding_dim=dim, num_embeddings=capacity, feature_names=[f], eviction=eviction
+                    name=f"t{i}",
+                    embedding_dim=dim,
+                    num_embeddings=capacity,
+                    feature_names=[f],
+                    eviction=eviction,
+                    admission=admission,
                 )
                 for i, (f, dim) in enumerate(zip(HASH_FEATURES, (8, 4), strict=True))
             ],
@@ -94,11 +99,11 @@ class HybridModel(nn.Module):
 
 
 def build(
-    capacity: int = 1024, host_timeout_s: float = 30.0, eviction: Any = None
+    capacity: int = 1024, host_timeout_s: float = 30.0, eviction: Any = None, admission: Any = None
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """The seed flow's steps 4-7 on CPU: model, fused Adagrad, hybrid sharders + planner + DMP, optimizer."""
     torch.manual_seed(0)
-    model = HybridModel(capacity, eviction)
+    model = HybridModel(capacity, eviction, admission)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1, "eps": 0.1})
     apply_optimizer_in_backward(torch.optim.Adagrad, model.plain.parameters(), {"lr": 0.1, "eps": 0.1})
     constraints = {

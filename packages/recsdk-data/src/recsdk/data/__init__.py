@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recsdk.data.batch import Batch
+    from recsdk.data.batch import Batch, attach_clicks
     from recsdk.data.columnar import ColumnarDataset
     from recsdk.data.criteo import CriteoDataset
     from recsdk.data.criteo_convert import convert_criteo
@@ -44,6 +44,7 @@ _MODULES = {
     "ParquetRecDataset": "parquet",
     "RandomRecDataset": "random_dataset",
     "ReadPosition": "read_position",
+    "attach_clicks": "batch",
     "backend_for": "device",
     "convert_criteo": "criteo_convert",
     "current_shard": "partition",
@@ -84,6 +85,7 @@ __all__ = [
     "ParquetRecDataset",
     "RandomRecDataset",
     "ReadPosition",
+    "attach_clicks",
     "backend_for",
     "convert_criteo",
     "current_shard",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "attach_clicks"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -20,6 +21,50 @@ def _can_pin_memory() -> bool:
     if accelerator is not None and accelerator.is_available():
         return True
     return bool(torch.cuda.is_available())
+
+
+def attach_clicks(features: KeyedJaggedTensor, labels: torch.Tensor) -> KeyedJaggedTensor:
+    """``features`` with each id's clicks as its weight: the label of the id's sample.
+
+    How a batch's clicks reach tables whose admission or eviction scores shows and clicks
+    (``recsdk.embedding.ShowClickScore``): the weights travel with the ids through the id
+    all-to-all and the host stage, and the tables read them there. The collections that read
+    them must be unweighted (they ignore weights otherwise).
+
+    Args:
+        features (KeyedJaggedTensor): raw ids, one stride ``B`` for every key, no weights.
+        labels (torch.Tensor): ``[B]`` labels (clicks per sample, >= 0).
+
+    Returns:
+        KeyedJaggedTensor: the same ids and lengths, float32 weights ``labels[sample of each id]``.
+
+    Raises:
+        ValueError: ``features`` already has weights, or its stride is not the number of labels.
+
+    Example::
+
+        kjt = attach_clicks(batch.sparse_features, batch.labels)
+    """
+    if features.weights_or_none() is not None:
+        raise ValueError(
+            f"attach_clicks: the KJT of features {features.keys()} already has weights (weighted features); "
+            "clicks travel as the weights, so they need a KJT without"
+        )
+    stride = features.stride()
+    if labels.dim() != 1 or labels.shape[0] != stride:
+        raise ValueError(
+            f"attach_clicks: {list(labels.shape)} labels for a KJT of stride {stride}; give one per sample"
+        )
+    values, lengths = features.values(), features.lengths()
+    sample = torch.arange(stride, device=lengths.device).repeat(len(features.keys()))
+    of_id = torch.repeat_interleave(sample, lengths.long(), output_size=values.numel())
+    return KeyedJaggedTensor(
+        keys=features.keys(),
+        values=values,
+        weights=labels.to(torch.float32).index_select(0, of_id.to(labels.device)),
+        lengths=lengths,
+        stride=stride,
+    )
 
 
 @dataclass
@@ -96,6 +141,18 @@ class Batch(Pipelineable):
                 f"Batch.sparse_features has {num_lengths} lengths, expected {num_keys} keys x {batch_size} rows "
                 f"= {num_keys * batch_size}"
             )
+
+    def with_clicks(self) -> Batch:
+        """This batch with each sparse id's clicks (its sample's label) as its weight (:func:`attach_clicks`).
+
+        For models whose tables score shows and clicks: the one change to the training flow is
+        building batches with this (the model's ``forward(batch)`` is unchanged). A subclass's
+        other fields are kept.
+
+        Returns:
+            Batch: a batch of the same type, ``sparse_features`` with click weights.
+        """
+        return dataclasses.replace(self, sparse_features=attach_clicks(self.sparse_features, self.labels))
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,18 @@ from recsdk.embedding.hash_tables import OptimizerAttachment
 from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.id_table import IdTable, TableFullError
 from recsdk.embedding.input_checks import check_features
-from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, LRUEviction, TTLEviction
+from recsdk.embedding.policies import (
+    AdmissionPolicy,
+    CountAdmission,
+    EvictionPolicy,
+    LFUEviction,
+    LRUEviction,
+    ProbabilisticAdmission,
+    ScoreAdmission,
+    ScoreEviction,
+    ShowClickScore,
+    TTLEviction,
+)
 from recsdk.embedding.publication import (
     PublicationError,
     PublishedTable,
@@ -25,6 +36,7 @@ from recsdk.embedding.publication import (
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
 __all__ = [
+    "AdmissionPolicy",
     "ChangeSnapshot",
     "CountAdmission",
     "EvictionPolicy",
@@ -36,10 +48,14 @@ __all__ = [
     "LFUEviction",
     "LRUEviction",
     "OptimizerAttachment",
+    "ProbabilisticAdmission",
     "PublicationError",
     "PublishedTable",
     "PublishedVersion",
     "RowChangeTracker",
+    "ScoreAdmission",
+    "ScoreEviction",
+    "ShowClickScore",
     "TTLEviction",
     "TableFullError",
     "check_features",

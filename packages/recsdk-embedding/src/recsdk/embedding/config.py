@@ -14,14 +14,14 @@ from torchrec.modules.embedding_configs import (
 )
 
 from recsdk.embedding.id_table_state import _MAX_CAPACITY
-from recsdk.embedding.policies import CountAdmission, EvictionPolicy, check_policies
+from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy, check_policies
 
 __all__ = ["HashEmbeddingBagConfig", "HashEmbeddingConfig", "HashTableConfig"]
 
 _POOLINGS = (PoolingType.SUM, PoolingType.MEAN)
 
 
-def _check_table(cfg: BaseEmbeddingConfig, admission: CountAdmission | None, eviction: EvictionPolicy | None) -> str:
+def _check_table(cfg: BaseEmbeddingConfig, admission: AdmissionPolicy | None, eviction: EvictionPolicy | None) -> str:
     """The checks every hash table config makes; returns ``"<Config class> '<name>'"`` for further messages."""
     kind = type(cfg).__name__
     name = cfg.name
@@ -74,9 +74,14 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
     ``init_fn`` (or None), ``weight_init_min <= weight_init_max``, known policy types.
 
     Args:
-        admission (CountAdmission | None): admit ids after enough sightings; None admits at once.
-        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table
-            is full; None makes a full table raise ``TableFullError``.
+        admission (CountAdmission | ScoreAdmission | ProbabilisticAdmission | None): admit ids
+            after enough sightings, once their show/click score reaches a threshold, or with a
+            probability per occurrence; None admits at once.
+        eviction (LRUEviction | LFUEviction | TTLEviction | ScoreEviction | None): what frees rows
+            when the table is full (score eviction: the lowest show/click scores, also every N
+            steps if set); None makes a full table raise ``TableFullError``. A show/click score
+            reads each id's clicks from the sparse features' weights
+            (``recsdk.data.Batch.with_clicks()``), so it cannot be used in a weighted collection.
         (other fields): as ``torchrec.EmbeddingBagConfig``.
 
     Example::
@@ -87,7 +92,7 @@ class HashEmbeddingBagConfig(EmbeddingBagConfig):
         )
     """
 
-    admission: CountAdmission | None = None
+    admission: AdmissionPolicy | None = None
     eviction: EvictionPolicy | None = None
 
     def __post_init__(self) -> None:
@@ -111,7 +116,7 @@ class HashEmbeddingConfig(EmbeddingConfig):
     there is no pooling to check.
 
     Args:
-        admission (CountAdmission | None): as in :class:`HashEmbeddingBagConfig` (None: at once).
+        admission (AdmissionPolicy | None): as in :class:`HashEmbeddingBagConfig` (None: at once).
         eviction (EvictionPolicy | None): as in :class:`HashEmbeddingBagConfig` (None: a full
             table raises ``TableFullError``).
         (other fields): as ``torchrec.EmbeddingConfig``.
@@ -124,7 +129,7 @@ class HashEmbeddingConfig(EmbeddingConfig):
         )
     """
 
-    admission: CountAdmission | None = None
+    admission: AdmissionPolicy | None = None
     eviction: EvictionPolicy | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""A count-min sketch with conservative update, for bounded-memory admission counting."""
+"""A count-min sketch with conservative update, for bounded-memory admission counting (counts or scores)."""
 
 from __future__ import annotations
 
@@ -24,26 +24,29 @@ _INT64_MAX = (1 << 63) - 1
 
 
 class CountMinSketch:
-    """Approximate per-id counts in ``num_hashes * width`` int32 counters.
+    """Approximate per-id counts (or non-negative integer amounts) in ``num_hashes * width`` counters.
 
-    ``estimate`` never undercounts. ``add_one`` uses conservative update (each counter of an id is
-    raised to at most the id's new estimate), which keeps overcounting low. Counts saturate at
-    ``cap``.
+    ``estimate`` never undercounts. ``add_one`` and ``add`` use conservative update (each counter
+    of an id is raised to at most the id's new estimate), which keeps overcounting low. Counts
+    saturate at ``cap``.
 
     Args:
         width (int): counters per row.
         num_hashes (int): rows (1 to 8).
         cap (int): counts saturate at this value.
         device (torch.device): where the counters live.
+        dtype (torch.dtype): the counters' integer type (int32 for counts, int64 for scores).
     """
 
-    def __init__(self, width: int, num_hashes: int, cap: int, device: torch.device) -> None:
+    def __init__(
+        self, width: int, num_hashes: int, cap: int, device: torch.device, dtype: torch.dtype = torch.int32
+    ) -> None:
         if not 1 <= num_hashes <= len(_SALTS):
             raise ValueError(f"num_hashes must be in [1, {len(_SALTS)}], got {num_hashes}")
         self.width = width
         self.num_hashes = num_hashes
         self.cap = cap
-        self.counters = torch.zeros(width * num_hashes, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(width * num_hashes, dtype=dtype, device=device)
 
     def positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Counter index of each id in each row.
@@ -66,7 +69,22 @@ class CountMinSketch:
 
     def add_one(self, positions: torch.Tensor, estimate: torch.Tensor) -> None:
         """Count one more sighting of each id (ids must be distinct), given their current estimates."""
-        if positions.numel() == 0:
-            return
-        new = (estimate + 1).clamp_(max=self.cap).expand(self.num_hashes, -1)
-        self.counters.scatter_reduce_(0, positions.reshape(-1), new.reshape(-1), reduce="amax")
+        self.add(positions, estimate, 1)
+
+    def add(self, positions: torch.Tensor, estimate: torch.Tensor, amounts: torch.Tensor | int) -> torch.Tensor:
+        """Add ``amounts`` (>= 0) to each id's count (ids must be distinct), given their current estimates.
+
+        Args:
+            positions (torch.Tensor): from :meth:`positions`, ``[num_hashes, n]``.
+            estimate (torch.Tensor): from :meth:`estimate`, ``[n]``.
+            amounts (torch.Tensor | int): ``[n]`` (or one for all) non-negative amounts.
+
+        Returns:
+            torch.Tensor: the new estimates ``[n]`` (the counters' dtype).
+        """
+        new = (estimate + amounts).clamp_(max=self.cap)
+        if positions.numel():
+            self.counters.scatter_reduce_(
+                0, positions.reshape(-1), new.expand(self.num_hashes, -1).reshape(-1), reduce="amax"
+            )
+        return new

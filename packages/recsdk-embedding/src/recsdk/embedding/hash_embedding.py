@@ -88,14 +88,16 @@ class HashEmbeddingCollection(HashIdTablesMixin, EmbeddingCollection):
 
         Args:
             features (KeyedJaggedTensor): keys exactly the configured feature names (any order),
-                int64/int32 ids as values; per-value weights are ignored.
+                int64/int32 ids as values; per-value weights are ignored, except in training by
+                tables with a show/click score that reads clicks: each id's clicks
+                (``recsdk.data.Batch.with_clicks()``).
 
         Returns:
             dict[str, JaggedTensor]: embedding name (the feature name, as ``EmbeddingCollection``
             names it) -> values ``[num_ids, dim]`` (float32), the feature's lengths and offsets,
             and its raw ids as ``weights`` when ``need_indices``.
         """
-        features = self._hash_tables.check_input(features, is_weighted=False)
+        features = self._hash_tables.check_input(features, is_weighted=False, training=self.training)
         jt_dict = jagged_per_feature(features)
         out: dict[str, JaggedTensor] = {}
         for cfg, emb, embedding_names in zip(
@@ -104,7 +106,11 @@ class HashEmbeddingCollection(HashIdTablesMixin, EmbeddingCollection):
             assert isinstance(emb, nn.Embedding)
             jts = [jt_dict[n] for n in cfg.feature_names]
             rows, all_present = self._hash_tables.map_ids(
-                cfg.name, emb.weight, [jt.values() for jt in jts], training=self.training
+                cfg.name,
+                emb.weight,
+                [jt.values() for jt in jts],
+                training=self.training,
+                clicks=[jt.weights_or_none() for jt in jts],
             )
             for name, jt, feature_rows, feature_all_present in zip(
                 embedding_names, jts, rows, all_present, strict=True

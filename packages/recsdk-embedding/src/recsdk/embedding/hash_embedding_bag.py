@@ -17,6 +17,7 @@ from recsdk.embedding.hash_tables import (
     HashIdTablesMixin,
     OptimizerAttachment,
     check_tables,
+    click_tables,
     jagged_per_feature,
 )
 
@@ -77,6 +78,12 @@ class HashEmbeddingBagCollection(HashIdTablesMixin, EmbeddingBagCollection):
         check_tables(tables, HashEmbeddingBagConfig, module="HashEmbeddingBagCollection")
         if not isinstance(is_weighted, bool):
             raise TypeError(f"HashEmbeddingBagCollection: is_weighted must be a bool, got {is_weighted!r}")
+        if is_weighted and click_tables(tables):
+            raise ValueError(
+                f"HashEmbeddingBagCollection: table(s) {click_tables(tables)} score clicks (ShowClickScore with "
+                "beta > 0), which come as the KJT's per-id weights, but a weighted collection pools with its "
+                "weights; use is_weighted=False, or beta=0 (shows only)"
+            )
         super().__init__(tables=tables, is_weighted=is_weighted, device=torch.device(device) if device else None)
         self._init_hash_tables(tables, id_table_device, module="HashEmbeddingBagCollection")
 
@@ -88,12 +95,14 @@ class HashEmbeddingBagCollection(HashIdTablesMixin, EmbeddingBagCollection):
 
         Args:
             features (KeyedJaggedTensor): keys exactly the configured feature names (any order),
-                int64/int32 ids as values, per-value weights when ``is_weighted``.
+                int64/int32 ids as values, per-value weights when ``is_weighted``; in training,
+                each id's clicks as its weight for tables with a show/click score that reads
+                clicks (``recsdk.data.Batch.with_clicks()``).
 
         Returns:
             KeyedTensor: keys, order and dims as ``EmbeddingBagCollection`` (``[B, sum(dims)]`` values).
         """
-        features = self._hash_tables.check_input(features, is_weighted=self._is_weighted)
+        features = self._hash_tables.check_input(features, is_weighted=self._is_weighted, training=self.training)
         flat_feature_names = [n for names in self._feature_names for n in names]
         inverse_indices = reorder_inverse_indices(
             inverse_indices=features.inverse_indices_or_none(),
@@ -106,7 +115,11 @@ class HashEmbeddingBagCollection(HashIdTablesMixin, EmbeddingBagCollection):
             weight = bag.weight
             jts = [feature_dict[n] for n in cfg.feature_names]
             rows, all_present = self._hash_tables.map_ids(
-                cfg.name, weight, [jt.values() for jt in jts], training=self.training
+                cfg.name,
+                weight,
+                [jt.values() for jt in jts],
+                training=self.training,
+                clicks=[jt.weights_or_none() for jt in jts],
             )
             for jt, feature_rows, feature_all_present in zip(jts, rows, all_present, strict=True):
                 pooled.append(self._pool(cfg, weight, jt, feature_rows, feature_all_present).float())

@@ -22,9 +22,17 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from recsdk.embedding.config import HashTableConfig
 from recsdk.embedding.id_table import IdTable
 from recsdk.embedding.input_checks import check_features
+from recsdk.embedding.policies import score_of
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
-__all__ = ["HashIdTables", "HashIdTablesMixin", "OptimizerAttachment", "check_tables", "jagged_per_feature"]
+__all__ = [
+    "HashIdTables",
+    "HashIdTablesMixin",
+    "OptimizerAttachment",
+    "check_tables",
+    "click_tables",
+    "jagged_per_feature",
+]
 
 WeightOf = Callable[[str], torch.Tensor]
 """Table name -> that table's ``[num_embeddings, dim]`` weight, as the owning module holds it now."""
@@ -50,6 +58,52 @@ def check_tables(tables: object, config_type: type, *, module: str) -> None:
                 f"{module}: tables[{i}] (name {getattr(cfg, 'name', '?')!r}) must be a "
                 f"{config_type.__name__}, got {type(cfg).__name__}"
             )
+
+
+def click_tables(configs: Sequence[object]) -> list[str]:
+    """The tables whose show/click score reads clicks (``beta > 0``): their ids' clicks come as the
+    sparse features' per-id weights (``recsdk.data.Batch.with_clicks()``).
+
+    Args:
+        configs (Sequence[object]): table configs (plain TorchRec configs have no policies).
+
+    Returns:
+        list[str]: their names, in config order.
+    """
+    out = []
+    for cfg in configs:
+        score = score_of(getattr(cfg, "admission", None), getattr(cfg, "eviction", None))
+        if score is not None and score.needs_clicks:
+            out.append(str(getattr(cfg, "name", "")))
+    return out
+
+
+def check_click_input(features: KeyedJaggedTensor, tables: Sequence[str], *, module: str) -> None:
+    """Raise unless a training batch for tables that score clicks carries them as per-id weights.
+
+    Args:
+        features (KeyedJaggedTensor): a KJT that passed :func:`~recsdk.embedding.check_features`.
+        tables (Sequence[str]): the module's tables that read clicks (:func:`click_tables`).
+        module (str): the module's name for the message.
+
+    Raises:
+        ValueError: no weights, or not one per id.
+        TypeError: weights that are not floating point.
+    """
+    weights = features.weights_or_none()
+    if weights is None:
+        raise ValueError(
+            f"{module}: table(s) {list(tables)} score clicks (ShowClickScore with beta > 0), which a training batch "
+            "brings as the sparse features' per-id weights, but the KJT has no weights. Build the batch with "
+            "recsdk.data.Batch.with_clicks() (each id gets its sample's label), or set beta=0 to score shows only"
+        )
+    if not weights.dtype.is_floating_point:
+        raise TypeError(f"{module}: the clicks (KJT weights) must be floating point, got {weights.dtype}")
+    if weights.dim() != 1 or weights.numel() != features.values().numel():
+        raise ValueError(
+            f"{module}: the KJT has weights of shape {list(weights.shape)}; clicks need one per id "
+            f"({features.values().numel()})"
+        )
 
 
 def jagged_per_feature(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
@@ -118,6 +172,7 @@ class HashIdTables:
         self._module = module
         self._tables: dict[str, IdTable] = {cfg.name: self._new_table(cfg, device) for cfg in configs}
         self._feature_names: list[str] = list(dict.fromkeys(n for cfg in configs for n in cfg.feature_names))
+        self._click_tables: list[str] = click_tables(configs)
         self._listeners: list[dict[str, list[torch.Tensor]]] = []
 
     @property
@@ -130,13 +185,22 @@ class HashIdTables:
         """Every configured feature, once, in config order."""
         return self._feature_names
 
-    def check_input(self, features: object, *, is_weighted: bool) -> KeyedJaggedTensor:
+    @property
+    def click_tables(self) -> list[str]:
+        """The tables whose show/click score reads clicks (the KJT's weights in training)."""
+        return self._click_tables
+
+    def check_input(self, features: object, *, is_weighted: bool, training: bool = False) -> KeyedJaggedTensor:
         """:func:`~recsdk.embedding.check_features` against the configured features, named after the module.
 
         Run it before any id table changes: it rejects unknown or missing keys, ids that are not
-        int64/int32, missing weights and lengths that do not match the ids.
+        int64/int32, missing weights and lengths that do not match the ids; and, in training, a
+        KJT without clicks (weights) for tables that score them.
         """
-        return check_features(features, self._feature_names, module=self._module, is_weighted=is_weighted)
+        kjt = check_features(features, self._feature_names, module=self._module, is_weighted=is_weighted)
+        if training and self._click_tables:
+            check_click_input(kjt, self._click_tables, module=self._module)
+        return kjt
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-table id table statistics (see :meth:`IdTable.stats`)."""
@@ -182,7 +246,13 @@ class HashIdTables:
         return OptimizerAttachment(optimizer.register_step_pre_hook(reset), pending, self._listeners)
 
     def map_ids(
-        self, name: str, weight: torch.Tensor, values: list[torch.Tensor], *, training: bool
+        self,
+        name: str,
+        weight: torch.Tensor,
+        values: list[torch.Tensor],
+        *,
+        training: bool,
+        clicks: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Rows (on the weight's device) of each feature's ids, and whether each feature has a row for all its ids.
 
@@ -200,6 +270,8 @@ class HashIdTables:
             weight (torch.Tensor): its ``[num_embeddings, dim]`` weight.
             values (list[torch.Tensor]): the ids of each of its features (``[n_f]``, int64/int32).
             training (bool): insert (True) or only find (False).
+            clicks (list[torch.Tensor | None] | None): each feature's per-id weights; a table that
+                scores clicks reads them in training (see :func:`click_tables`).
 
         Returns:
             tuple[list[torch.Tensor], list[bool]]: ``[n_f]`` int64 rows per feature, and the flags.
@@ -216,7 +288,12 @@ class HashIdTables:
         sizes = [v.numel() for v in values]
         ids = values[0] if len(values) == 1 else torch.cat(values)
         if training:
-            rows = table.find_or_insert(ids)
+            id_clicks = None
+            if clicks is not None and name in self._click_tables:
+                parts = [c for c in clicks if c is not None]
+                if len(parts) == len(values):
+                    id_clicks = parts[0] if len(parts) == 1 else torch.cat(parts)
+            rows = table.find_or_insert(ids, id_clicks)
             reassigned = table.take_reassigned_rows()
             if reassigned.numel():
                 init_rows_(weight, reassigned, cfg)

@@ -26,8 +26,11 @@ import torch
 
 from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.embedding.count_sketch import CountMinSketch
+from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
 from recsdk.embedding.id_table_pins import IdTablePins
+from recsdk.embedding.id_table_publishing import IdTablePublishing
+from recsdk.embedding.id_table_scores import IdTableScores, StepUnits
 from recsdk.embedding.id_table_state import (
     _INT32_MAX,
     _MAX_CAPACITY,
@@ -38,13 +41,24 @@ from recsdk.embedding.id_table_state import (
     IdTableState,
 )
 from recsdk.embedding.lazy_memory import lazy_zeros
-from recsdk.embedding.policies import CountAdmission, EvictionPolicy, LFUEviction, TTLEviction, check_policies
+from recsdk.embedding.policies import (
+    AdmissionPolicy,
+    CountAdmission,
+    EvictionPolicy,
+    LFUEviction,
+    ProbabilisticAdmission,
+    ScoreAdmission,
+    ScoreEviction,
+    TTLEviction,
+    check_policies,
+    score_of,
+)
 from recsdk.embedding.slot_index import FbgemmSlotIndex, TorchSlotIndex, make_slot_index
 
 __all__ = ["IdTable", "TableFullError"]
 
 
-class IdTable(IdTableState, IdTableEviction, IdTablePins):
+class IdTable(IdTableState, IdTableAdmission, IdTableEviction, IdTablePins, IdTablePublishing):
     """Collision-free map from raw int64 ids to rows in ``[0, capacity)``.
 
     Two different ids never share a row, and an id keeps its row until it is evicted. Every
@@ -61,9 +75,11 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         capacity (int): number of rows (the embedding table's ``num_embeddings``).
         device (torch.device | str): where the table lives. ``"meta"`` allocates nothing and
             cannot be used for lookups (a placeholder for a module built on the meta device).
-        admission (CountAdmission | None): admit ids only after enough sightings; None admits at once.
-        eviction (LRUEviction | LFUEviction | TTLEviction | None): what frees rows when the table is
-            full; None raises :class:`TableFullError` instead.
+        admission (CountAdmission | ScoreAdmission | ProbabilisticAdmission | None): admit ids only
+            after enough sightings, once their show/click score reaches a threshold, or by chance;
+            None admits at once.
+        eviction (LRUEviction | LFUEviction | TTLEviction | ScoreEviction | None): what frees rows
+            when the table is full; None raises :class:`TableFullError` instead.
         name (str): table name, used in errors and statistics.
         report_first_use (bool): :meth:`take_reassigned_rows` also reports rows handed to an id
             for the first time, not only rows taken from evicted ids (for row stores that
@@ -77,7 +93,9 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
     bytes per row, with the free-row stack) are allocated for the whole capacity but, on CPU, as
     anonymous memory maps: the OS provides a page when it is first written, so only the pages of
     the rows handed out so far (and of the stack's depth) are resident. On other devices they are
-    allocated and zeroed in full. Plus the admission counters (``4 * counter_slots`` bytes, fixed).
+    allocated and zeroed in full. Plus the admission counters (``4 * counter_slots`` bytes, fixed;
+    ``8 *`` for :class:`ScoreAdmission`) and, with :class:`ScoreEviction`, 8 bytes per row of
+    scores (lazily resident too; see :mod:`~recsdk.embedding.id_table_scores`).
     :attr:`memory_bytes` gives the allocated figure (the index at its current size),
     :func:`~recsdk.embedding.slot_index.index_bytes` the index's full size.
 
@@ -93,7 +111,7 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         capacity: int,
         *,
         device: torch.device | str = "cpu",
-        admission: CountAdmission | None = None,
+        admission: AdmissionPolicy | None = None,
         eviction: EvictionPolicy | None = None,
         name: str = "id_table",
         report_first_use: bool = False,
@@ -112,9 +130,19 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         self._eviction = eviction
         self._report_first_use = bool(report_first_use)
         self._sketch: CountMinSketch | None = None
-        if admission is not None and admission.threshold > 1:
+        if isinstance(admission, CountAdmission) and admission.threshold > 1:
             width = admission.counter_slots // admission.num_hashes
             self._sketch = CountMinSketch(width, admission.num_hashes, admission.threshold, self._device)
+        self._scores: IdTableScores | None = None  # show/click scores (ScoreAdmission, ScoreEviction)
+        score = score_of(admission, eviction)
+        if score is not None and self._device.type != "meta":
+            self._scores = IdTableScores(
+                score,
+                capacity,
+                self._device,
+                admission=admission if isinstance(admission, ScoreAdmission) else None,
+                per_row=isinstance(eviction, ScoreEviction),
+            )
         self._free_top: int
         self._high_water: int  # rows at and above it were never handed out (see _pop_free)
         self._tail_retired: bool  # rows above the mark count as retired (after rebuild or a load)
@@ -147,7 +175,7 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         return self._device
 
     @property
-    def admission(self) -> CountAdmission | None:
+    def admission(self) -> AdmissionPolicy | None:
         """The admission policy (None: admit at once)."""
         return self._admission
 
@@ -186,12 +214,9 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         ]
         if self._sketch is not None:
             tensors.append(self._sketch.counters)
+        if self._scores is not None:
+            tensors += self._scores.tensors()
         return self._index.memory_bytes + sum(t.numel() * t.element_size() for t in tensors)
-
-    @property
-    def changes(self) -> RowChangeTracker | None:
-        """The tracker of changed rows and departed ids (None until :meth:`track_changes`)."""
-        return self._changes
 
     def __len__(self) -> int:
         return self._size
@@ -204,7 +229,7 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
 
     # ------------------------------------------------------------------ public operations
 
-    def find_or_insert(self, ids: torch.Tensor) -> torch.Tensor:
+    def find_or_insert(self, ids: torch.Tensor, clicks: torch.Tensor | None = None) -> torch.Tensor:
         """Map ids to rows, giving new admitted ids a row (one training step).
 
         Duplicates within the batch map to one row. Ids not (yet) admitted map to ``-1`` and get
@@ -214,6 +239,9 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
 
         Args:
             ids (torch.Tensor): int64 or int32 ids, any shape, on any device (moved to the table's).
+            clicks (torch.Tensor | None): the clicks of each occurrence (same number of elements as
+                ``ids``, floating point, finite, >= 0), for a show/click score
+                (:class:`ShowClickScore`); None counts no clicks. Ignored by other policies.
 
         Returns:
             torch.Tensor: int64 rows, same shape as ``ids``, on the table's device; ``-1`` for ids
@@ -222,8 +250,10 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         Raises:
             TableFullError: the new ids do not fit and no eviction policy is set, or eviction cannot
                 free enough rows (all pinned or in use). The table is left unchanged.
+            TypeError, ValueError: bad ``ids`` or ``clicks`` (the table is left unchanged).
         """
         flat, shape = self._as_ids(ids, "find_or_insert")
+        click_values = self._as_clicks(clicks, flat.numel()) if clicks is not None else None
         rows = self._lookup(flat)
         # Rows this batch holds, with misses sent to the spare metadata entry at index ``capacity``.
         used: torch.Tensor | None
@@ -238,18 +268,25 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
             used = rows.masked_fill(miss, self._capacity) if self._eviction is not None else None
 
         # Read-only phase: work out what to insert and whether it fits, before touching any state.
+        units: StepUnits | None = None
+        amounts = uniq_amounts = None  # score amounts per occurrence, and per distinct new id
+        if self._scores is not None:
+            units = self._scores.step_units(self._step + 1)
+            amounts = units.amounts(flat.numel(), click_values, self._device)
         uniq = inverse = positions = estimate = admitted = None
         num_new = 0
         if num_miss:
             assert miss_idx is not None
-            uniq, inverse = torch.unique(flat.index_select(0, miss_idx), return_inverse=True)
-            if self._sketch is not None:
-                positions = self._sketch.positions(uniq)
-                estimate = self._sketch.estimate(positions)
-                admitted = estimate + 1 >= self._sketch.cap
-                num_new = int(admitted.sum())
-            else:
-                num_new = uniq.numel()
+            counted = isinstance(self._admission, ProbabilisticAdmission)
+            found = torch.unique(flat.index_select(0, miss_idx), return_inverse=True, return_counts=counted)
+            uniq, inverse = found[0], found[1]
+            if amounts is not None:
+                uniq_amounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=self._device)
+                uniq_amounts.index_add_(0, inverse, amounts.index_select(0, miss_idx))
+            admitted, positions, estimate = self._admission_decision(
+                uniq, found[2] if counted else None, uniq_amounts, units
+            )
+            num_new = uniq.numel() if admitted is None else int(admitted.sum())
         in_use = None  # bool [high_water]: rows this batch holds (eviction never frees them in this call)
         if num_new > self._num_free:
             in_use = self._check_room(num_new, used)
@@ -261,33 +298,57 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         self._stats["hits"] += flat.numel() - num_miss
         if used is not None and num_miss < flat.numel():
             self._touch(used, step)
+        if self._scores is not None and used is not None and amounts is not None:
+            self._scores.add_hits(used, amounts)
         if isinstance(self._eviction, TTLEviction):
             self._sweep_idle(self._eviction.max_idle_steps)
-        if uniq is None or inverse is None:
-            return rows.view(shape)
-        if self._sketch is not None:
-            assert positions is not None and estimate is not None and admitted is not None
-            self._sketch.add_one(positions, estimate)
-            self._stats["admission_rejects"] += uniq.numel() - num_new
-            new_ids = uniq[admitted]
-        else:
-            new_ids = uniq
-        if num_new:
-            shortfall = num_new - self._num_free
-            if shortfall > 0:
-                assert in_use is not None  # shortfall > 0 implies num_new > free rows before the call
-                self._evict(shortfall, in_use)
-            new_rows = self._pop_free(num_new)
-            self._place(new_ids, new_rows, step=step)
-            self._stats["inserts"] += num_new
-            if admitted is None:
-                uniq_rows = new_rows
-            else:
-                uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
-                uniq_rows[admitted] = new_rows
+        elif isinstance(self._eviction, ScoreEviction) and self._eviction.every_steps is not None:
+            if step % self._eviction.every_steps == 0 and used is not None:
+                self._evict_round(used)
+        if uniq is not None and inverse is not None:
             assert miss_idx is not None
-            rows.index_copy_(0, miss_idx, uniq_rows.index_select(0, inverse))
+            self._insert_missing(
+                rows, miss_idx, uniq, inverse, admitted, positions, estimate, uniq_amounts, num_new, in_use
+            )
+        if self._scores is not None:
+            self._scores.end_step(step, self._high_water)
         return rows.view(shape)
+
+    def _insert_missing(
+        self,
+        rows: torch.Tensor,
+        miss_idx: torch.Tensor,
+        uniq: torch.Tensor,
+        inverse: torch.Tensor,
+        admitted: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        estimate: torch.Tensor | None,
+        uniq_amounts: torch.Tensor | None,
+        num_new: int,
+        in_use: torch.Tensor | None,
+    ) -> None:
+        """The commit part of :meth:`find_or_insert` for the batch's ids without a row: count them
+        for admission, make room, place the admitted ones and write their rows into ``rows``."""
+        scores = self._count_missing(positions, estimate, uniq_amounts)
+        self._stats["admission_rejects"] += uniq.numel() - num_new
+        if not num_new:
+            return
+        new_ids = uniq if admitted is None else uniq[admitted]
+        shortfall = num_new - self._num_free
+        if shortfall > 0:
+            assert in_use is not None  # shortfall > 0 implies num_new > free rows before the call
+            self._evict(shortfall, in_use)
+        new_rows = self._pop_free(num_new)
+        self._place(new_ids, new_rows, step=self._step)
+        if self._scores is not None and scores is not None:
+            self._scores.place(new_rows, scores if admitted is None else scores[admitted])
+        self._stats["inserts"] += num_new
+        if admitted is None:
+            uniq_rows = new_rows
+        else:
+            uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
+            uniq_rows[admitted] = new_rows
+        rows.index_copy_(0, miss_idx, uniq_rows.index_select(0, inverse))
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Map ids to rows without inserting anything (evaluation).
@@ -341,46 +402,6 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
             self._free_rows(present)
         return rows.view(shape)
 
-    def track_changes(self) -> RowChangeTracker:
-        """Track which rows change and which ids leave from now on, for versions published to
-        serving (:class:`~recsdk.embedding.change_tracker.RowChangeTracker`); idempotent.
-
-        The table stamps the rows it places ids in and frees; whoever trains the rows stamps those
-        (``table.changes.changed(rows)``). Replacing the table's state (:meth:`load_state_dict`,
-        :meth:`rebuild`) resets the tracker.
-
-        Returns:
-            RowChangeTracker: the table's tracker.
-        """
-        self._check_usable()
-        if self._changes is None:
-            self._changes = RowChangeTracker(self._capacity, self._device)
-        return self._changes
-
-    def occupants(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids stored at ``rows`` and which of the rows hold one.
-
-        Args:
-            rows (torch.Tensor): int64 ``[n]`` rows in ``[0, capacity)``.
-
-        Returns:
-            tuple[torch.Tensor, torch.Tensor]: int64 ``ids [n]`` (meaningless where not occupied)
-            and bool ``occupied [n]``.
-        """
-        self._check_usable()
-        return self._row_id.index_select(0, rows), self._row_state.index_select(0, rows) == _OCCUPIED
-
-    def index_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The hash index as FBGEMM's ``pruned_hashmap_lookup`` reads it, for a lookup outside Python
-        (a serving module under TorchScript): see :meth:`FbgemmSlotIndex.kernel_state`.
-
-        Raises:
-            RuntimeError: the table's index is not FBGEMM's (not on CPU, or FBGEMM not loaded).
-        """
-        if not isinstance(self._index, FbgemmSlotIndex):
-            raise RuntimeError(f"IdTable '{self._name}': its index is {self.index_kind!r}, not FBGEMM's (CPU)")
-        return self._index.kernel_state()
-
     def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored ids and their rows, in ascending row order.
 
@@ -396,16 +417,23 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
 
         ``lookups``/``hits`` count ids (with repeats) passed to :meth:`find_or_insert` and found
         already stored; ``inserts`` counts ids given a row; ``evictions`` counts rows freed by the
-        eviction policy (when full, or idle under TTL); ``admission_rejects`` counts, per call,
-        the distinct ids refused a row by admission.
+        eviction policy (when full, or idle under TTL, or by score); ``admission_rejects`` counts,
+        per call, the distinct ids refused a row by admission.
 
         Returns:
             dict: ``size``, ``capacity``, ``inserts``, ``evictions``, ``admission_rejects``,
-            ``lookups``, ``hits`` (ints) and ``hit_rate`` (float, 0.0 before any lookup).
+            ``lookups``, ``hits`` (ints) and ``hit_rate`` (float, 0.0 before any lookup); with
+            :class:`ScoreEviction` also ``score_sum`` and ``score_min`` (floats: the stored ids'
+            show/click scores at the current step; 0.0 when empty).
         """
         out: dict[str, Any] = {"size": self._size, "capacity": self._capacity}
         out.update(self._stats)
         out["hit_rate"] = self._stats["hits"] / self._stats["lookups"] if self._stats["lookups"] else 0.0
+        if self._scores is not None and self._scores.rows is not None:
+            _, rows = self.ids_and_rows()
+            scores = self._scores.true_scores(self._scores.rows[rows], self._step)
+            out["score_sum"] = float(scores.sum()) if rows.numel() else 0.0
+            out["score_min"] = float(scores.min()) if rows.numel() else 0.0
         return out
 
     # ------------------------------------------------------------------ internals
@@ -441,6 +469,8 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
         if self._sketch is not None:
             self._sketch.counters.zero_()
+        if self._scores is not None:
+            self._scores.reset()
         if self._changes is not None:  # the rows' ids are replaced wholesale: the next version is full
             self._changes.reset()
 
@@ -510,6 +540,8 @@ class IdTable(IdTableState, IdTableEviction, IdTablePins):
         self._row_state[rows] = _OCCUPIED
         self._last_step[rows] = step
         self._freq[rows] = 1
+        if self._scores is not None:
+            self._scores.place(rows, torch.zeros(rows.numel(), dtype=torch.int64, device=self._device))
         self._size += ids.numel()
         if self._changes is not None:
             self._changes.placed(rows)

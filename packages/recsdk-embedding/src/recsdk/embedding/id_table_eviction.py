@@ -2,8 +2,11 @@
 
 When new ids do not fit, the table's eviction policy picks victims among the rows that are
 occupied, unpinned and not used by the batch at hand: the least recently used (LRU, by
-``last_step``), or the least frequently used, then least recently (LFU, by ``freq`` then
-``last_step``), in one ``kthvalue`` over the rows below the high-water mark. A TTL policy also
+``last_step``), the least frequently used, then least recently (LFU, by ``freq`` then
+``last_step``), or the lowest show/click scores (score eviction, by the
+:class:`~recsdk.embedding.id_table_scores.IdTableScores` per row; it frees at least its
+``evict_fraction`` of the stored ids, and does so every ``every_steps`` steps if set), in one
+``kthvalue`` over the rows below the high-water mark. A TTL policy also
 frees, at each step, every such row idle for more than its ``max_idle_steps`` (and
 :meth:`IdTableEviction.evict_idle` does it on demand). A mixin of ``IdTable``: it reads the
 table's own arrays; nothing outside the table does.
@@ -11,15 +14,19 @@ table's own arrays; nothing outside the table does.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from recsdk.embedding.id_table_state import _INT32_MAX, _OCCUPIED
-from recsdk.embedding.policies import LFUEviction, TTLEviction
+from recsdk.embedding.policies import LFUEviction, ScoreEviction, TTLEviction
 
 if TYPE_CHECKING:
+    from recsdk.embedding.id_table_scores import IdTableScores
     from recsdk.embedding.policies import EvictionPolicy
+
+_INT64_MAX = 2**63 - 1
 
 __all__ = ["IdTableEviction", "TableFullError"]
 
@@ -47,6 +54,8 @@ class IdTableEviction:
         _step: int
         _idle_floor: int
         _stats: dict[str, int]
+        _size: int
+        _scores: IdTableScores | None
 
         @property
         def _num_free(self) -> int: ...
@@ -99,12 +108,9 @@ class IdTableEviction:
         if self._eviction is None or used is None:
             raise TableFullError(
                 f"{base} and no eviction policy. Raise the capacity (num_embeddings of table '{self._name}') "
-                "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction)."
+                "or set an eviction policy (LRUEviction, LFUEviction, TTLEviction or ScoreEviction)."
             )
-        hw = self._high_water
-        in_use = torch.zeros(hw + 1, dtype=torch.bool, device=self._device)
-        in_use.index_fill_(0, used.clamp(max=hw), True)  # misses (row ``capacity``) land on entry ``hw``
-        in_use = in_use[:hw]
+        in_use = self._in_use(used)
         evictable = int((self._evictable() & ~in_use).sum())
         if free + evictable < num_new:
             raise TableFullError(
@@ -114,12 +120,32 @@ class IdTableEviction:
             )
         return in_use
 
+    def _in_use(self, used: torch.Tensor) -> torch.Tensor:
+        """Mask (bool ``[high_water]``) of the rows in ``used`` (a batch's rows, ``capacity`` for misses)."""
+        hw = self._high_water
+        in_use = torch.zeros(hw + 1, dtype=torch.bool, device=self._device)
+        in_use.index_fill_(0, used.clamp(max=hw), True)  # misses (row ``capacity``) land on entry ``hw``
+        return in_use[:hw]
+
+    def _evict_round(self, used: torch.Tensor) -> None:
+        """A periodic score eviction round: the lowest-scored ``evict_fraction`` of the stored ids
+        among the rows neither pinned nor in ``used``."""
+        self._evict(0, self._in_use(used))
+
     def _evict(self, count: int, in_use: torch.Tensor) -> torch.Tensor:
-        """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``."""
+        """Free ``count`` rows chosen by the eviction policy among evictable rows not in ``in_use``
+        (score eviction: at least its ``evict_fraction`` of the stored ids, as far as there are)."""
         hw = self._high_water
         blocked = ~self._evictable()
         blocked |= in_use
-        if isinstance(self._eviction, LFUEviction):
+        if isinstance(self._eviction, ScoreEviction):
+            assert self._scores is not None
+            key = self._scores.eviction_key(hw).masked_fill_(blocked, _INT64_MAX)
+            round_size = min(int((~blocked).sum()), math.ceil(self._eviction.evict_fraction * self._size))
+            count = max(count, round_size)
+            if count == 0:
+                return torch.zeros(0, dtype=torch.int64, device=self._device)
+        elif isinstance(self._eviction, LFUEviction):
             key = (self._freq[:hw].long() << 31).bitwise_or_(self._last_step[:hw])
             key.masked_fill_(blocked, torch.iinfo(torch.int64).max)
         else:

@@ -16,7 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from recsdk.embedding.count_sketch import CountMinSketch
-    from recsdk.embedding.policies import CountAdmission
+    from recsdk.embedding.id_table_scores import IdTableScores
+    from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy
 
 __all__ = ["IdTableState"]
 
@@ -38,7 +39,11 @@ _STATE_KEYS = (
     "admission_counters",
     "step",
     "stats",
+    "scores",
+    "score_counters",
+    "score_ref",
 )
+_OPTIONAL_KEYS = ("scores", "score_counters", "score_ref")  # absent from states saved before show/click scores
 
 
 class IdTableState:
@@ -55,7 +60,9 @@ class IdTableState:
         _capacity: int
         _device: torch.device
         _sketch: CountMinSketch | None
-        _admission: CountAdmission | None
+        _scores: IdTableScores | None
+        _admission: AdmissionPolicy | None
+        _eviction: EvictionPolicy | None
         _last_step: torch.Tensor
         _freq: torch.Tensor
         _free: torch.Tensor
@@ -88,7 +95,11 @@ class IdTableState:
         per stored id, ascending rows); ``free_rows`` (the free-row stack, bottom to top);
         ``retired_rows`` (free rows whose embedding holds a former id); ``reassigned_rows`` (not yet
         taken by :meth:`take_reassigned_rows`); ``admission_counters`` (empty without a sketch);
-        ``stats`` (int64 ``[5]``: inserts, evictions, admission_rejects, lookups, hits).
+        ``stats`` (int64 ``[5]``: inserts, evictions, admission_rejects, lookups, hits);
+        ``scores`` (int64, one per stored id with :class:`ScoreEviction`, else empty) and
+        ``score_counters`` (the :class:`ScoreAdmission` sketch, else empty): show/click scores
+        in fixed point in the units of step ``score_ref`` (a scalar; see
+        :mod:`~recsdk.embedding.id_table_scores`).
 
         The rows never handed out (at and above the high-water mark) are written out as the
         bottom of the free stack, ``capacity - 1`` down to the mark.
@@ -101,6 +112,12 @@ class IdTableState:
             retired = torch.cat([retired, torch.arange(hw, self._capacity, device=dev)])
         counters = (
             self._sketch.counters.clone() if self._sketch is not None else torch.zeros(0, dtype=torch.int32, device=dev)
+        )
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        scores = (
+            self._scores.state(rows)
+            if self._scores is not None
+            else {"scores": empty, "score_counters": empty.clone(), "score_ref": torch.tensor(0, dtype=torch.int64)}
         )
         return {
             "capacity": torch.tensor(self._capacity, dtype=torch.int64),
@@ -116,6 +133,7 @@ class IdTableState:
             "admission_counters": counters,
             "step": torch.tensor(self._step, dtype=torch.int64),
             "stats": torch.tensor([self._stats[k] for k in _STAT_NAMES], dtype=torch.int64),
+            **scores,
         }
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -172,6 +190,9 @@ class IdTableState:
         freq: torch.Tensor,
         step: int,
         admission_counters: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+        score_counters: torch.Tensor | None = None,
+        score_ref: int | None = None,
     ) -> None:
         """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
 
@@ -191,6 +212,10 @@ class IdTableState:
             admission_counters (torch.Tensor | None): the count-min sketch's counters (as in
                 :meth:`state_dict`); None or empty for a table without a sketch, and None resets
                 a sketch to zero.
+            scores (torch.Tensor | None): int64 ``[n]`` stored show/click scores of the ids (as in
+                :meth:`state_dict`), for :class:`ScoreEviction`; None: zeros.
+            score_counters (torch.Tensor | None): the :class:`ScoreAdmission` sketch; None: zeros.
+            score_ref (int | None): the reference step of ``scores`` and ``score_counters`` (None: ``step``).
 
         Raises:
             ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size
@@ -230,6 +255,16 @@ class IdTableState:
                     f"{where}: {counters.numel()} admission counters given, this table's admission policy "
                     f"{self._admission} has {have}"
                 )
+        zeros = torch.zeros(0, dtype=torch.int64, device=self._device)
+        if self._scores is None:
+            scores = score_counters = zeros
+        else:
+            if scores is None:
+                scores = torch.zeros(n if self._scores.rows is not None else 0, dtype=torch.int64)
+            if score_counters is None:
+                score_counters = torch.zeros(self._scores.num_counters, dtype=torch.int64)
+            scores, score_counters = torch.as_tensor(scores).reshape(-1), torch.as_tensor(score_counters).reshape(-1)
+            self._scores.check_state(where, n, scores, score_counters, step if score_ref is None else score_ref, step)
         self._check_unpinned()
         self._allocate()
         # Rows n, n+1, ... go out in ascending order, each reported (retired): the tail above the mark.
@@ -244,6 +279,9 @@ class IdTableState:
                 "admission_counters": counters,
                 "step": torch.tensor(step, dtype=torch.int64),
                 "stats": torch.zeros(len(_STAT_NAMES), dtype=torch.int64),
+                "scores": scores,
+                "score_counters": score_counters,
+                "score_ref": torch.tensor(step if score_ref is None else score_ref, dtype=torch.int64),
             }
         )
 
@@ -338,14 +376,18 @@ class IdTableState:
             self._reassigned_count = reassigned.numel()
         self._step = int(sd["step"])
         self._stats = dict(zip(_STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
+        if self._scores is not None:
+            self._scores.restore(rows, sd["scores"], sd["score_counters"], int(sd["score_ref"]))
 
     def _checked_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate a :meth:`state_dict`; returns its tensors on the table's device, flattened."""
         self._check_usable()
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        missing = [k for k in _STATE_KEYS if k not in state_dict and k not in _OPTIONAL_KEYS]
         if missing:
             raise ValueError(f"IdTable '{self._name}': state dict lacks keys {missing}")
-        sd = {k: torch.as_tensor(state_dict[k]).to(self._device) for k in _STATE_KEYS}
+        absent = {"scores": torch.zeros(0, dtype=torch.int64), "score_counters": torch.zeros(0, dtype=torch.int64)}
+        absent["score_ref"] = torch.tensor(0, dtype=torch.int64)
+        sd = {k: torch.as_tensor(state_dict[k] if k in state_dict else absent[k]).to(self._device) for k in _STATE_KEYS}
         cap = int(sd["capacity"])
         if cap != self._capacity:
             raise ValueError(
@@ -377,6 +419,16 @@ class IdTableState:
                 f"IdTable '{self._name}': state dict has {counters.numel()} admission counters, this table's "
                 f"admission policy {self._admission} has {have}"
             )
+        scores, score_counters = sd["scores"].reshape(-1), sd["score_counters"].reshape(-1)
+        if self._scores is not None:
+            self._scores.check_state(
+                f"IdTable '{self._name}': state dict", n, scores, score_counters, int(sd["score_ref"]), int(sd["step"])
+            )
+        elif scores.numel() or score_counters.numel():
+            raise ValueError(
+                f"IdTable '{self._name}': state dict holds show/click scores, this table's policies keep none "
+                f"(admission {self._admission}, eviction {self._eviction})"
+            )
         stats = sd["stats"].reshape(-1)
         if stats.numel() != len(_STAT_NAMES):
             raise ValueError(f"IdTable '{self._name}': state dict stats must have {len(_STAT_NAMES)} entries")
@@ -396,4 +448,7 @@ class IdTableState:
             "admission_counters": counters,
             "step": sd["step"],
             "stats": stats,
+            "scores": scores,
+            "score_counters": score_counters,
+            "score_ref": sd["score_ref"],
         }

@@ -26,6 +26,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import init_rows_
+from recsdk.embedding.hash_tables import click_tables
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
@@ -91,6 +92,7 @@ class HostShards:
         self._features = list(features)
         self._name = name
         self._is_weighted = is_weighted
+        self._click_tables = click_tables(list(self.configs.values()))
         self._pooled = pooled
         self._device = device
         self._host_adam = host_adam
@@ -195,10 +197,15 @@ class HostShards:
             views[name] = cache.store.views
         return views
 
-    def guard(self, ctx: HostStageState, features: Any) -> KeyedJaggedTensor:
+    def guard(self, ctx: HostStageState, features: Any, training: bool) -> KeyedJaggedTensor:
         """The batch to send through the input dist (see :mod:`~recsdk.sharding.input_guard`)."""
         checked, ctx.input_error = guard_input(
-            features, self._features, module=self._name, is_weighted=self._is_weighted
+            features,
+            self._features,
+            module=self._name,
+            is_weighted=self._is_weighted,
+            click_tables=self._click_tables,
+            training=training,
         )
         return checked
 
@@ -233,7 +240,9 @@ class HostShards:
         peer_failed = error is None and ctx.batch_failed
         if error is None and not peer_failed:
             try:
-                batch = self.stage.map(dist_input, ctx.token, self.ledger, training, pooled=self._pooled)
+                batch = self.stage.map(
+                    dist_input, ctx.token, self.ledger, training, pooled=self._pooled, keep_weights=self._is_weighted
+                )
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
                 ctx.cache_rows = [self._cached_rows(kjt, training) for kjt in mapped]
                 if ahead:
@@ -379,7 +388,7 @@ class HostShards:
         for kjt in dist_input:
             values, lengths = kjt.values(), kjt.lengths()
             if self._pooled:
-                weights = kjt.weights_or_none()
+                weights = kjt.weights_or_none() if self._is_weighted else None
                 kjts.append(
                     KeyedJaggedTensor(
                         keys=kjt.keys(),

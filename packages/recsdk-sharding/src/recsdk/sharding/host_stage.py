@@ -20,6 +20,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, TableFullError
+from recsdk.embedding.hash_tables import click_tables
 from recsdk.sharding.row_ledger import RowLedger
 
 __all__ = ["IdMappingStage", "MappedBatch", "ShardInfo"]
@@ -64,15 +65,19 @@ class MappedBatch:
 class IdMappingStage:
     """Maps received raw ids to this rank's local rows, per table shard.
 
-    Train mode finds or inserts (admission and eviction as each table is configured); eval mode
-    only finds. Ids without a row (not admitted yet, or unknown in eval) are dropped from their
-    bags, so they look up as zeros (MEAN pooling still divides by the original bag length).
+    Train mode finds or inserts (admission and eviction as each table is configured; a table that
+    scores clicks reads them from the KJT's weights), and advances the step clock of every table
+    once per batch, also of tables that received no ids (as the unsharded module does, so that
+    step-based policies decide alike); eval mode only finds. Ids without a row (not admitted yet,
+    or unknown in eval) are dropped from their bags, so they look up as zeros (MEAN pooling still
+    divides by the original bag length).
 
     Args:
         id_tables (dict[str, IdTable]): this rank's id table per table shard.
         shards (Mapping[str, ShardInfo]): per table, what errors say of its shard.
         feature_to_table (Mapping[str, str]): feature name -> table name.
         ledger_lock (threading.RLock | None): the lock to guard the tables with (a new one if None).
+        clicks (Iterable[str]): the tables that score clicks (read from the KJTs' weights).
 
     Example::
 
@@ -87,8 +92,10 @@ class IdMappingStage:
         shards: Mapping[str, ShardInfo],
         feature_to_table: Mapping[str, str],
         ledger_lock: threading.RLock | None = None,
+        clicks: Iterable[str] = (),
     ) -> None:
         self._tables = id_tables
+        self._clicks = frozenset(clicks)
         self._shards = dict(shards)
         self._feature_to_table = dict(feature_to_table)
         self._lock = ledger_lock if ledger_lock is not None else threading.RLock()
@@ -130,7 +137,7 @@ class IdMappingStage:
                 report_first_use=table.name in lazy,
             )
         feature_to_table = {f: c.name for c in configs.values() for f in c.feature_names}
-        return cls(id_tables, infos, feature_to_table)
+        return cls(id_tables, infos, feature_to_table, clicks=click_tables(list(configs.values())))
 
     @property
     def id_tables(self) -> dict[str, IdTable]:
@@ -147,7 +154,13 @@ class IdMappingStage:
         return self._lock
 
     def map(
-        self, kjts: Iterable[KeyedJaggedTensor], token: int, ledger: RowLedger, training: bool, pooled: bool = True
+        self,
+        kjts: Iterable[KeyedJaggedTensor],
+        token: int,
+        ledger: RowLedger,
+        training: bool,
+        pooled: bool = True,
+        keep_weights: bool = True,
     ) -> MappedBatch:
         """Map each KJT's raw ids to local rows.
 
@@ -162,6 +175,8 @@ class IdMappingStage:
             pooled (bool): ids without a row are dropped from their bags (pooled tables); else
                 they keep their place, on row 0, and are marked in ``MappedBatch.missing`` (an
                 unpooled table's output has one embedding per id: those are zeroed).
+            keep_weights (bool): the mapped KJTs keep the weights (a weighted module); else the
+                weights only brought clicks and are dropped.
 
         Returns:
             MappedBatch: the KJTs with row indices (same keys and stride), the rows per table.
@@ -174,11 +189,23 @@ class IdMappingStage:
         reused: dict[str, list[torch.Tensor]] = {}
         mapped: list[KeyedJaggedTensor] = []
         missing: list[torch.Tensor | None] = []
+        called: set[str] = set()
         try:
             for kjt in kjts:
-                rows_kjt, absent = self._map_kjt(kjt, training, used, reused, pooled)
+                rows_kjt, absent = self._map_kjt(kjt, training, used, reused, pooled, called)
+                if not keep_weights and rows_kjt.weights_or_none() is not None:
+                    rows_kjt = KeyedJaggedTensor(
+                        keys=rows_kjt.keys(),
+                        values=rows_kjt.values(),
+                        lengths=rows_kjt.lengths(),
+                        stride=rows_kjt.stride(),
+                    )
                 mapped.append(rows_kjt)
                 missing.append(absent)
+            if training:  # one step for every table, also those without ids in this batch
+                with self._lock:
+                    for name in self._tables.keys() - called:
+                        self._find_or_insert(name, torch.zeros(0, dtype=torch.int64), None)
         finally:
             if reused:
                 ledger.owe(token, {name: _joined(rows) for name, rows in reused.items()})
@@ -191,6 +218,7 @@ class IdMappingStage:
         used: dict[str, list[torch.Tensor]],
         reused: dict[str, list[torch.Tensor]],
         pooled: bool,
+        called: set[str],
     ) -> tuple[KeyedJaggedTensor, torch.Tensor | None]:
         keys = kjt.keys()
         values = kjt.values()
@@ -208,10 +236,16 @@ class IdMappingStage:
                 segments.setdefault(self._feature_to_table[key], []).append((starts[i], starts[i + 1]))
         found_all = True  # every id has a row (the steady state: no mask, no compaction)
         rows_of: dict[str, torch.Tensor] = {}
+        weights = kjt.weights_or_none()
         with self._lock:
             for name, segs in segments.items():
-                ids = values[segs[0][0] : segs[0][1]] if len(segs) == 1 else torch.cat([values[a:b] for a, b in segs])
-                table_rows = self._find_or_insert(name, ids) if training else self._tables[name].find(ids)
+                ids = _gathered(values, segs)
+                if training:
+                    clicks = _gathered(weights, segs) if weights is not None and name in self._clicks else None
+                    table_rows = self._find_or_insert(name, ids, clicks)
+                    called.add(name)
+                else:
+                    table_rows = self._tables[name].find(ids)
                 table_found = int(table_rows.min()) >= 0
                 found_all = found_all and table_found
                 if training:
@@ -249,17 +283,17 @@ class IdMappingStage:
         kjt = KeyedJaggedTensor(keys=keys, values=rows, weights=weights, lengths=lengths, stride=kjt.stride())
         return kjt, absent
 
-    def _find_or_insert(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+    def _find_or_insert(self, name: str, ids: torch.Tensor, clicks: torch.Tensor | None) -> torch.Tensor:
         table = self._tables[name]
         try:
-            return table.find_or_insert(ids)
+            return table.find_or_insert(ids, clicks)
         except TableFullError as e:
             shard = self._shards[name]
             cause = str(e).split(". Raise", 1)[0]
             advice = (
                 "use smaller batches or map fewer batches ahead (a pipeline's pipe_n_batch)"
                 if table.eviction is not None
-                else "or set an eviction policy (LRUEviction, LFUEviction or TTLEviction) in its config"
+                else "or set an eviction policy (LRUEviction, LFUEviction, TTLEviction or ScoreEviction) in its config"
             )
             raise TableFullError(
                 f"table {shard.table!r} is full on rank {shard.rank}: its {shard.sharding_type} shard there holds "
@@ -298,6 +332,13 @@ def _check_layout(configs: Mapping[str, BaseEmbeddingConfig], plan: Mapping[str,
                     f"of a hash table needs rows for the ids its rank owns: raise num_embeddings to at least "
                     f"{len(spec.shards)}, or shard the table table-wise"
                 )
+
+
+def _gathered(values: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """The ``[start, end)`` segments of ``values``, joined (a view when there is one)."""
+    if len(segments) == 1:
+        return values[segments[0][0] : segments[0][1]]
+    return torch.cat([values[a:b] for a, b in segments])
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,9 @@ feature (VBE) is refused the same way (the host input dists bucket and map one b
 
 A good batch is put in the module's feature order, so any key order works, and in the dtypes
 every rank sends (the id all-to-all packs each rank's tensors by their dtype): int64 ids,
-float32 weights, and no weights for an unweighted module (which ignores them, as unsharded).
+float32 weights, and no weights for an unweighted module (which ignores them, as unsharded),
+unless one of its tables scores clicks: those travel as the weights (zeros where an evaluation
+batch has none), and a training batch without them is refused, as unsharded.
 
 A caller may also refuse a batch itself (:func:`refuse_inputs`): a pipeline whose data iterator
 raised sends a stand-in through the input dists that way, so the failure travels with the
@@ -26,6 +28,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import check_features
+from recsdk.embedding.hash_tables import check_click_input
 
 __all__ = ["guard_input", "refuse_inputs"]
 
@@ -63,7 +66,13 @@ def refuse_inputs(error: Exception | None) -> Iterator[None]:
 
 
 def guard_input(
-    features: Any, feature_names: Sequence[str], *, module: str, is_weighted: bool
+    features: Any,
+    feature_names: Sequence[str],
+    *,
+    module: str,
+    is_weighted: bool,
+    click_tables: Sequence[str] = (),
+    training: bool = False,
 ) -> tuple[KeyedJaggedTensor, Exception | None]:
     """The batch to send (in ``feature_names`` order), and what was wrong with it, if anything.
 
@@ -72,6 +81,9 @@ def guard_input(
         feature_names (Sequence[str]): the module's features, in the order to send them.
         module (str): the module's name for the messages.
         is_weighted (bool): whether per-value weights are required.
+        click_tables (Sequence[str]): the module's tables that score clicks (they come as the
+            weights; see :func:`~recsdk.embedding.hash_tables.click_tables`).
+        training (bool): a training batch (it must bring the clicks).
 
     Returns:
         tuple[KeyedJaggedTensor, Exception | None]: the checked batch and ``None``, or an empty
@@ -83,11 +95,14 @@ def guard_input(
         kjt, ctx.input_error = guard_input(kjt, ["f0", "f1"], module="HashEmbeddingBagCollection",
                                            is_weighted=False)
     """
+    carried = is_weighted or bool(click_tables)  # whether weights travel with the ids
     refused: Exception | None = getattr(_REFUSAL, "error", None)
     if refused is not None:
-        return _stand_in(feature_names, features, is_weighted), refused
+        return _stand_in(feature_names, features, carried), refused
     try:
         kjt = check_features(features, feature_names, module=module, is_weighted=is_weighted)
+        if training and click_tables:
+            check_click_input(kjt, click_tables, module=module)
         if kjt.variable_stride_per_key():
             raise ValueError(
                 f"sharded {module}: the KJT of features {kjt.keys()} has a variable batch per feature "
@@ -95,17 +110,19 @@ def guard_input(
                 "the batch's samples (empty bags where a feature has none)"
             )
     except (TypeError, ValueError) as e:
-        return _stand_in(feature_names, features, is_weighted), e
+        return _stand_in(feature_names, features, carried), e
     if kjt.keys() != list(feature_names):
         kjt = kjt.permute([kjt.keys().index(f) for f in feature_names])
-    return _in_sent_dtypes(kjt, is_weighted), None
+    return _in_sent_dtypes(kjt, carried), None
 
 
 def _in_sent_dtypes(kjt: KeyedJaggedTensor, weighted: bool) -> KeyedJaggedTensor:
-    """``kjt`` with int64 ids, float32 weights where weighted and none otherwise (no copy when
-    it already is)."""
+    """``kjt`` with int64 ids, float32 weights where weighted (zeros where it has none) and none
+    otherwise (no copy when it already is)."""
     values, weights = kjt.values(), kjt.weights_or_none()
-    if values.dtype == torch.int64 and (weights is None or (weighted and weights.dtype == torch.float32)):
+    if weighted and weights is None:
+        weights = torch.zeros(values.numel(), dtype=torch.float32)
+    elif values.dtype == torch.int64 and (weights is None or (weighted and weights.dtype == torch.float32)):
         return kjt
     return KeyedJaggedTensor(
         keys=kjt.keys(),

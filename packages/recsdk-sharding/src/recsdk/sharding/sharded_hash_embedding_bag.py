@@ -158,7 +158,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         travels with the ids, so no rank maps that batch.
         """
         assert isinstance(ctx, HashEmbeddingBagCollectionContext)
-        features = self._shards.guard(ctx, features)
+        features = self._shards.guard(ctx, features, self.training)
         if ctx.input_error is None:
             ctx.bag_lengths = self._mean.bag_lengths(features)
         with self._shards.batch_flag(ctx):

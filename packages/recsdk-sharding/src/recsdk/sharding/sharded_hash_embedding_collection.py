@@ -142,7 +142,7 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         travels with the ids, so no rank maps that batch.
         """
         assert isinstance(ctx, HashEmbeddingCollectionContext)
-        features = self._shards.guard(ctx, features)
+        features = self._shards.guard(ctx, features, self.training)
         if features.stride() == 0:  # TorchRec's sequence path cannot take a batch of size 0
             ctx.padded = True
             features = KeyedJaggedTensor(

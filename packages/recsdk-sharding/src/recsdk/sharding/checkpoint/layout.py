@@ -15,11 +15,14 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.embedding import (
+    CountAdmission,
     HashEmbeddingBagCollection,
     HashEmbeddingBagConfig,
     HashEmbeddingCollection,
     HashEmbeddingConfig,
     IdTable,
+    ScoreAdmission,
+    ScoreEviction,
 )
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
@@ -37,6 +40,7 @@ __all__ = [
     "host_group",
     "layouts",
     "root",
+    "score_layout",
     "weight_key",
 ]
 
@@ -150,9 +154,20 @@ def admission_counters(module: HashModule, table: str) -> int:
     """Number of admission counters the table's id tables hold (0 without a count-min sketch)."""
     cfg = module.table_configs.get(table)
     admission = cfg.admission if isinstance(cfg, HashEmbeddingBagConfig | HashEmbeddingConfig) else None
-    if admission is None or admission.threshold <= 1:
+    if not isinstance(admission, CountAdmission) or admission.threshold <= 1:
         return 0
     return (admission.counter_slots // admission.num_hashes) * admission.num_hashes
+
+
+def score_layout(module: HashModule, table: str) -> tuple[bool, int]:
+    """What show/click scores the table's id tables keep: per-row scores (score eviction) and how
+    many admission counters (score admission; 0 without)."""
+    cfg = module.table_configs.get(table)
+    admission = getattr(cfg, "admission", None)
+    counters = 0
+    if isinstance(admission, ScoreAdmission):
+        counters = (admission.counter_slots // admission.num_hashes) * admission.num_hashes
+    return isinstance(getattr(cfg, "eviction", None), ScoreEviction), counters
 
 
 def fused_counters(module: HashModule) -> dict[str, dict[str, torch.Tensor]]:

@@ -230,7 +230,11 @@ def _stage(
             weight=weight,
             states=states,
             fused={k: torch.empty_like(v) for k, v in fused_counters(t.module)[t.name].items()},
-            table_state={k: storage.empty_like_saved(reader_md[prefix + "table/" + k]) for k in _TABLE_KEYS},
+            table_state={  # a checkpoint from before show/click scores has no score keys
+                k: storage.empty_like_saved(reader_md[prefix + "table/" + k])
+                for k in _TABLE_KEYS
+                if prefix + "table/" + k in reader_md
+            },
         )
         staged.targets[prefix + "weight"] = exact.weight
         for i, s in enumerate(exact.states):

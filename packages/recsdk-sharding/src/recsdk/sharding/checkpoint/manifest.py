@@ -79,7 +79,12 @@ def build_manifest(
                 "optimizer_states": first.get("optimizer_states", []),
                 "optimizer_counters": first.get("optimizer_counters", []),
                 "admission_counters": first.get("admission_counters", 0),
-                "shards": [{k: s[k] for k in ("rank", "row_offset", "rows", "num_ids", "step")} for s in shards],
+                "score_counters": first.get("score_counters", 0),
+                "scores_per_row": first.get("scores_per_row", False),
+                "shards": [
+                    {k: s.get(k, 0) for k in ("rank", "row_offset", "rows", "num_ids", "step", "score_ref")}
+                    for s in shards
+                ],
             }
         hash_info[fqn] = entry
     optimizer: dict[str, dict[str, str]] | None = None

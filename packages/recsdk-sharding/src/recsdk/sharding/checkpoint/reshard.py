@@ -3,8 +3,11 @@
 The saved shards are read in parallel (shard ``i`` of all tables by rank ``i % world_size``),
 each stored id is routed to its new shard (``owner(id, world_size)`` row-wise, the table's rank
 table-wise) with its embedding, optimizer state rows, ``last_step`` (shifted so that its age is
-kept against the newest saved step clock) and ``freq``; admission sketches and per-shard
-optimizer counters are merged by element-wise max. Nothing in the model changes until
+kept against the newest saved step clock), ``freq`` and show/click score (brought from its
+shard's reference step to the newest shard's, ``round(score * decay**steps)``: a no-op when the
+shards agree, as they do when every rank mapped every batch); admission sketches (count and
+score, the latter rebased the same way) and per-shard optimizer counters are merged by
+element-wise max. Nothing in the model changes until
 :func:`commit_resharded`, which rebuilds each shard with :meth:`~recsdk.embedding.IdTable.rebuild`
 (rows ``0..n-1`` in id order).
 """
@@ -16,6 +19,8 @@ from typing import Any
 
 import torch
 
+from recsdk.embedding.id_table_scores import rebased
+from recsdk.embedding.policies import score_of
 from recsdk.sharding.checkpoint import storage
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import fused_counters
@@ -67,16 +72,20 @@ def read_resharded(
         meta = comm.all_to_all(out["meta"], send, recv)
         weight = comm.all_to_all(out["weight"], send, recv)
         states = [comm.all_to_all(s, send, recv) for s in out["states"]]
-        sketch = out["sketch"]
+        scores = comm.all_to_all(out["scores"], send, recv) if out["scores"] is not None else None
+        sketch, score_sketch = out["sketch"], out["score_sketch"]
         if sketch is not None:
             comm.max_(sketch)
+        if score_sketch is not None:
+            comm.max_(score_sketch)
         if t.name in t.module.id_tables:
             if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
                 order = torch.argsort(ids)
                 ids, meta, weight = ids[order], meta[order], weight[order]
                 states = [s[order] for s in states]
+                scores = scores[order] if scores is not None else None
             t.ids, t.meta, t.weight_rows, t.state_rows = ids, meta, weight, states
-            t.counters = sketch
+            t.counters, t.scores, t.score_counters = sketch, scores, score_sketch
 
 
 def _targets(
@@ -88,6 +97,7 @@ def _targets(
     for t, shard in mine:
         prefix = hash_prefix(t.fqn, t.name, shard["rank"])
         keys = ["table/ids", "table/rows", "table/last_step", "table/freq", "table/admission_counters", "weight"]
+        keys += [k for k in ("table/scores", "table/score_counters") if prefix + k in reader_md]
         keys += [f"state{i}" for i in range(len(t.saved["optimizer_states"]))]
         keys += [f"fused/{k}" for k in t.saved.get("optimizer_counters", [])]
         for k in keys:
@@ -104,7 +114,12 @@ def _route(
     for ti, t in enumerate(tables):
         new_step = max((int(s["step"]) for s in t.saved["shards"]), default=0)
         t.step = new_step
+        t.score_ref = max((int(s.get("score_ref", 0)) for s in t.saved["shards"]), default=0)
+        cfg = t.module.table_configs.get(t.name)
+        score = score_of(getattr(cfg, "admission", None), getattr(cfg, "eviction", None))
+        decay = score.decay if score is not None else 1.0
         parts: dict[str, list[torch.Tensor]] = {"ids": [], "meta": [], "weight": [], "counters": []}
+        parts |= {"scores": [], "score_counters": []}
         state_parts: list[list[torch.Tensor]] = [[] for _ in t.saved["optimizer_states"]]
         for job_table, shard in mine:
             if job_table is not t:
@@ -117,6 +132,10 @@ def _route(
             parts["meta"].append(torch.stack([last, targets[prefix + "table/freq"].to(torch.int64)], dim=1))
             parts["weight"].append(targets[prefix + "weight"].index_select(0, rows))
             parts["counters"].append(targets[prefix + "table/admission_counters"])
+            behind = t.score_ref - int(shard.get("score_ref", 0))  # reference steps this shard is behind
+            for key in ("scores", "score_counters"):
+                if prefix + "table/" + key in targets and targets[prefix + "table/" + key].numel():
+                    parts[key].append(rebased(targets[prefix + "table/" + key], decay, behind))
             for i in range(len(state_parts)):
                 state_parts[i].append(targets[prefix + f"state{i}"].index_select(0, rows))
         dim = t.layout.embedding_dim
@@ -136,18 +155,20 @@ def _route(
         by_id = torch.argsort(ids)
         order = by_id.index_select(0, torch.argsort(dest.index_select(0, by_id), stable=True))
         counts[ti] = torch.bincount(dest, minlength=world)
-        sketch = None
-        if t.saved["admission_counters"]:
-            sketch = torch.zeros(int(t.saved["admission_counters"]), dtype=torch.int32)
-            for c in parts["counters"]:
-                sketch = torch.maximum(sketch, c.to(torch.int32))
+        sketch = _merged(parts["counters"], int(t.saved["admission_counters"]), torch.int32)
+        score_sketch = _merged(parts["score_counters"], int(t.saved.get("score_counters", 0)), torch.int64)
+        scores = None
+        if t.saved.get("scores_per_row", False):
+            scores = torch.cat(parts["scores"]) if parts["scores"] else torch.zeros(0, dtype=torch.int64)
         outgoing.append(
             {
                 "ids": ids[order],
                 "meta": meta[order],
                 "weight": weight[order],
                 "states": [s[order] for s in states],
+                "scores": scores[order] if scores is not None else None,
                 "sketch": sketch,
+                "score_sketch": score_sketch,
             }
         )
     fused_local: dict[int, dict[str, torch.Tensor]] = {}
@@ -160,6 +181,16 @@ def _route(
                     value = targets[prefix + f"fused/{k}"]
                     mine_max[k] = value if k not in mine_max else torch.maximum(mine_max[k], value)
     return outgoing, counts, fused_local
+
+
+def _merged(parts: list[torch.Tensor], size: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The element-wise max of a sketch's saved copies (None when the table has none)."""
+    if not size:
+        return None
+    merged = torch.zeros(size, dtype=dtype)
+    for part in parts:
+        merged = torch.maximum(merged, part.to(dtype))
+    return merged
 
 
 def _check_capacity(tables: list[TableLoad], totals: torch.Tensor, world: int) -> None:
@@ -221,7 +252,14 @@ def commit_resharded(t: TableLoad) -> None:
     assert t.ids is not None and t.meta is not None and t.weight_rows is not None
     n = t.ids.numel()
     t.module.id_tables[t.name].rebuild(
-        t.ids, last_step=t.meta[:, 0], freq=t.meta[:, 1], step=t.step, admission_counters=t.counters
+        t.ids,
+        last_step=t.meta[:, 0],
+        freq=t.meta[:, 1],
+        step=t.step,
+        admission_counters=t.counters,
+        scores=t.scores,
+        score_counters=t.score_counters,
+        score_ref=t.score_ref,
     )
     weight, states = t.module.table_views()[t.name]
     with torch.no_grad():

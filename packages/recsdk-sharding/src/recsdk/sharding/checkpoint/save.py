@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizer
 
+from recsdk.embedding import ScoreEviction
 from recsdk.sharding.checkpoint import files, optimizer_state, storage
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import (
@@ -154,6 +155,9 @@ def _collect(
                 "optimizer_states": [{"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for s in states],
                 "optimizer_counters": sorted(counters[name]),
                 "admission_counters": int(sd["admission_counters"].numel()),
+                "score_counters": int(sd["score_counters"].numel()),
+                "scores_per_row": isinstance(table.eviction, ScoreEviction),
+                "score_ref": int(sd["score_ref"]),
             }
     hash_keys = hash_weight_keys(modules)
     for key, value in model.state_dict().items():

@@ -26,6 +26,7 @@ from recsdk.sharding.checkpoint.layout import (
     fused_counters,
     hash_weight_keys,
     layouts,
+    score_layout,
 )
 from recsdk.sharding.checkpoint.manifest import optim_key
 from recsdk.sharding.checkpoint.optimizer_state import hash_param_ids
@@ -52,6 +53,9 @@ class TableLoad:
     weight_rows: torch.Tensor | None = None
     state_rows: list[torch.Tensor] = field(default_factory=list)
     counters: torch.Tensor | None = None
+    scores: torch.Tensor | None = None  # int64 [n] stored show/click scores (score eviction), at score_ref
+    score_counters: torch.Tensor | None = None  # the score admission sketch, at score_ref
+    score_ref: int = 0
     step: int = 0
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer counters: max over saved shards
 
@@ -101,6 +105,14 @@ def plan_load(
                 problems.append(
                     f"{table_where}: {saved['admission_counters']} admission counters in the checkpoint, "
                     f"{counters} in the model (CountAdmission counter_slots/num_hashes/threshold differ)"
+                )
+            per_row, score_counters = score_layout(module, name)
+            saved_scores = (bool(saved.get("scores_per_row", False)), int(saved.get("score_counters", 0)))
+            if saved_scores != (per_row, score_counters):
+                problems.append(
+                    f"{table_where}: show/click scores per row {saved_scores[0]} and {saved_scores[1]} score counters "
+                    f"in the checkpoint, {per_row} and {score_counters} in the model (ScoreEviction / ScoreAdmission "
+                    "counter_slots/num_hashes differ)"
                 )
             if name in module.id_tables:
                 problems.extend(_local_table_problems(module, name, saved, table_where, rank))
