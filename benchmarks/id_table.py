@@ -20,6 +20,16 @@ NPU tables use) on CPU instead of FBGEMM's kernels, to compare the two.
     python benchmarks/id_table.py                           # 1M ids per batch, capacity 8M
     python benchmarks/id_table.py --capacity 1000000 --batch-size 100000
     python benchmarks/id_table.py --batch-size 4096 --capacity 200000 --vocab 200000 --index torch
+
+``--policies`` compares admission and eviction policies instead: ``find_or_insert`` ids/s of
+show/click score admission + score eviction, count-min admission + score eviction (the
+eviction's own cost), and probabilistic admission + LRU, each against count-min admission + LRU
+(the baseline), on a table 32 times smaller than its vocabulary (ids are admitted, evicted and
+come back), every batch with clicks (a label per id, 1 in 8 clicked). Each round maps the same batch with every
+policy's table, in a rotating order; one JSON line per policy with the median over rounds of
+its ids/s and of its ratio to the baseline's:
+
+    python benchmarks/id_table.py --policies                 # 128k rows, 4M-id vocabulary, 128k ids per batch
 """
 
 from __future__ import annotations
@@ -34,7 +44,18 @@ import numpy as np
 import torch
 
 from recsdk.data.hashing import mix64
-from recsdk.embedding import IdTable, LFUEviction, LRUEviction, TTLEviction, slot_index
+from recsdk.embedding import (
+    CountAdmission,
+    IdTable,
+    LFUEviction,
+    LRUEviction,
+    ProbabilisticAdmission,
+    ScoreAdmission,
+    ScoreEviction,
+    ShowClickScore,
+    TTLEviction,
+    slot_index,
+)
 
 T = TypeVar("T")
 EVICTIONS = {"none": None, "lru": LRUEviction(), "lfu": LFUEviction(), "ttl": TTLEviction(max_idle_steps=4)}
@@ -72,14 +93,85 @@ def timed(fn: Callable[..., T], *args: Any, sync: Callable[[], None] = lambda: N
     return out, time.perf_counter() - start
 
 
+def policy_tables(capacity: int) -> dict[str, IdTable]:
+    """The tables ``--policies`` compares, the baseline first."""
+    score = ShowClickScore(alpha=1.0, beta=10.0, decay=0.95)
+    policies: dict[str, dict[str, Any]] = {
+        "countmin_lru": {
+            "admission": CountAdmission(threshold=2, counter_slots=4 * capacity),
+            "eviction": LRUEviction(),
+        },
+        "showclick": {
+            "admission": ScoreAdmission(threshold=2.0, score=score, counter_slots=4 * capacity),
+            "eviction": ScoreEviction(evict_fraction=0.01, score=score),
+        },
+        "countmin_score_eviction": {
+            "admission": CountAdmission(threshold=2, counter_slots=4 * capacity),
+            "eviction": ScoreEviction(evict_fraction=0.01, score=score),
+        },
+        "probabilistic_lru": {"admission": ProbabilisticAdmission(probability=0.5), "eviction": LRUEviction()},
+    }
+    return {name: IdTable(capacity, name=name, **p) for name, p in policies.items()}
+
+
+def compare_policies(args: argparse.Namespace) -> None:
+    """``--policies``: each policy's find_or_insert against count-min + LRU, interleaved, medians."""
+    capacity = args.capacity
+    vocab = args.vocab or 32 * capacity
+    ids = ZipfIds(vocab, args.zipf, args.seed)
+    clicks_rng = torch.Generator().manual_seed(args.seed)
+    tables = policy_tables(capacity)
+    names = list(tables)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        b = ids.batch(args.batch_size)
+        return b, (torch.rand(b.numel(), generator=clicks_rng) < 0.125).float()
+
+    for _ in range(args.warmup):
+        b, c = batch()
+        for table in tables.values():
+            table.find_or_insert(b, c)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.batches):
+        b, c = batch()
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            _, t = timed(tables[name].find_or_insert, b, c)
+            times[name].append(t)
+    base = times[names[0]]
+    for name in names[1:]:
+        ratios = [b_t / t for b_t, t in zip(base, times[name], strict=True)]
+        stats = tables[name].stats()
+        print(
+            json.dumps(
+                {
+                    "bench": "id_table_policies",
+                    "policy": name,
+                    "ids_per_s": round(args.batch_size / float(np.median(times[name]))),
+                    "baseline": "countmin_lru",
+                    "baseline_ids_per_s": round(args.batch_size / float(np.median(base))),
+                    "ratio": round(float(np.median(ratios)), 3),
+                    "rounds": args.batches,
+                    "batch_size": args.batch_size,
+                    "capacity": capacity,
+                    "vocab": vocab,
+                    "hit_rate": round(stats["hit_rate"], 3),
+                    "baseline_hit_rate": round(tables[names[0]].stats()["hit_rate"], 3),
+                    "evictions": stats["evictions"],
+                    "threads": torch.get_num_threads(),
+                }
+            ),
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--capacity", type=int, default=8 << 20, help="table rows (default 8M)")
-    parser.add_argument("--batch-size", type=int, default=1 << 20, help="ids per batch (default 1M)")
+    parser.add_argument("--capacity", type=int, default=None, help="table rows (default 8M; --policies 1M)")
+    parser.add_argument("--batch-size", type=int, default=None, help="ids per batch (default 1M; --policies 256k)")
     parser.add_argument("--vocab", type=int, default=None, help="Zipf ranks (default: capacity)")
     parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent (default 1.05)")
-    parser.add_argument("--warmup", type=int, default=4, help="batches mapped before timing (default 4)")
-    parser.add_argument("--batches", type=int, default=5, help="timed batches per operation (default 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="batches mapped before timing (4; --policies 8)")
+    parser.add_argument("--batches", type=int, default=None, help="timed batches per operation (5; --policies 9)")
     parser.add_argument("--eviction", choices=sorted(EVICTIONS), default="none", help="table eviction policy")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads; 0 keeps torch's default")
     parser.add_argument("--device", default="cpu", help="device of the id table (default cpu)")
@@ -89,8 +181,18 @@ def main() -> None:
         default="auto",
         help="hash index: auto (FBGEMM's kernels on CPU), or torch ops (what CUDA/NPU tables use) for comparison",
     )
+    parser.add_argument("--policies", action="store_true", help="compare admission/eviction policies (see above)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    defaults = (1 << 17, 1 << 17, 9, 8) if args.policies else (8 << 20, 1 << 20, 5, 4)
+    for field, default in zip(("capacity", "batch_size", "batches", "warmup"), defaults, strict=True):
+        if getattr(args, field) is None:
+            setattr(args, field, default)
+    if args.policies:
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        compare_policies(args)
+        return
     if args.index == "torch":
         slot_index._use_fbgemm = lambda: False  # this benchmark's process only
     if args.threads > 0:

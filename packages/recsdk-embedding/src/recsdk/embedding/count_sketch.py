@@ -64,8 +64,12 @@ class CountMinSketch:
         return torch.stack(rows)
 
     def estimate(self, positions: torch.Tensor) -> torch.Tensor:
-        """Estimated counts (int32 ``[n]``) for ``positions`` from :meth:`positions`."""
-        return self.counters[positions].amin(dim=0)
+        """Estimated counts (``[n]``, the counters' dtype) for ``positions`` from :meth:`positions`."""
+        values = self.counters[positions]
+        out = values[0]
+        for j in range(1, self.num_hashes):  # a row-by-row minimum: amin over dim 0 is a slow strided reduction
+            out = torch.minimum(out, values[j])
+        return out
 
     def add_one(self, positions: torch.Tensor, estimate: torch.Tensor) -> None:
         """Count one more sighting of each id (ids must be distinct), given their current estimates."""

@@ -65,8 +65,7 @@ class IdTableAdmission:
             return estimate + 1 >= self._sketch.cap, positions, estimate
         if isinstance(self._admission, ScoreAdmission):
             assert self._scores is not None and units is not None and amounts is not None
-            admitted, positions = self._scores.admit(uniq, amounts, units)
-            return admitted, positions, None
+            return self._scores.admit(uniq, amounts, units)
         if isinstance(self._admission, ProbabilisticAdmission):
             assert counts is not None
             return self._draw_admitted(uniq, counts, self._step + 1), None, None
@@ -85,8 +84,9 @@ class IdTableAdmission:
             assert positions is not None and estimate is not None
             self._sketch.add_one(positions, estimate)
         elif isinstance(self._admission, ScoreAdmission):
-            assert self._scores is not None and positions is not None and amounts is not None
-            return self._scores.count(positions, amounts)
+            assert self._scores is not None and positions is not None and estimate is not None
+            assert amounts is not None
+            return self._scores.count(positions, estimate, amounts)
         return amounts
 
     def _draw_admitted(self, uniq: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ per id, in one place (as :mod:`~recsdk.embedding.count_sketch` is for count admi
   value times ``decay ** (t - ref)``. Stored values are int64 multiples of ``2**-16``: each
   occurrence's amount is rounded once, then integers are summed, so a score does not depend on
   the order in which its ids arrive (a sharded table and an unsharded one, any rank order, agree
-  bit for bit). When ``decay ** -(t - ref)`` passes ``2**20`` every stored value is rescaled to
+  bit for bit). (The click part of an amount is computed in float32: exact for 0/1 clicks while
+  ``beta * 2**36`` fits its 24-bit mantissa's reach, otherwise rounded the same way everywhere.) When ``decay ** -(t - ref)`` passes ``2**20`` every stored value is rescaled to
   ``ref = t`` (rounded; rare: every ``14 / -ln(decay)`` steps) at the end of a step.
 * **Ids with a row** (only with :class:`ScoreEviction`): one int64 per row (``rows``), lazily
   resident like the table's other per-row arrays, plus a spare entry at index ``capacity`` that
@@ -57,10 +58,13 @@ class StepUnits:
         self.click = score.beta * SCORE_ONE * scale
 
     def amounts(self, n: int, clicks: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """What each of ``n`` occurrences adds, int64 ``[n]``: ``round(show + click * clicks[i])``."""
+        """What each of ``n`` occurrences adds, int64 ``[n]``: ``round(show) + round(click * clicks[i])``,
+        the product in float32 (exact for 0/1 clicks up to the rescale point; elementwise, so still
+        independent of the order of the ids)."""
+        show = round(self.show)
         if clicks is None or self.click == 0:
-            return torch.full((n,), round(self.show), dtype=torch.int64, device=device)
-        return clicks.to(device=device, dtype=torch.float64).mul(self.click).add_(self.show).round_().long()
+            return torch.full((n,), show, dtype=torch.int64, device=device)
+        return clicks.to(device=device, dtype=torch.float32).mul(self.click).round_().long().add_(show)
 
 
 class IdTableScores:
@@ -123,17 +127,20 @@ class IdTableScores:
             units (StepUnits): this step's units.
 
         Returns:
-            tuple[torch.Tensor, torch.Tensor]: bool ``admitted [u]`` and the sketch positions.
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor]: bool ``admitted [u]``, and the sketch
+            positions and estimates (for :meth:`count`).
         """
         assert self.sketch is not None and self.threshold is not None
         positions = self.sketch.positions(uniq)
         estimate = self.sketch.estimate(positions)
-        return (estimate + amounts).double() >= self.threshold * SCORE_ONE * units.scale, positions
+        admitted = (estimate + amounts).double() >= self.threshold * SCORE_ONE * units.scale
+        return admitted, positions, estimate
 
-    def count(self, positions: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
-        """Add this step's amounts of distinct ids to the sketch; returns their new estimates."""
+    def count(self, positions: torch.Tensor, estimate: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+        """Add this step's amounts of distinct ids (their sketch ``estimate`` before) to the sketch;
+        returns their new estimates."""
         assert self.sketch is not None
-        return self.sketch.add(positions, self.sketch.estimate(positions), amounts)
+        return self.sketch.add(positions, estimate, amounts)
 
     def place(self, rows: torch.Tensor, scores: torch.Tensor) -> None:
         """Rows just handed to ids start with ``scores`` (stored units)."""
