@@ -10,9 +10,10 @@ per id, in one place (as :mod:`~recsdk.embedding.count_sketch` is for count admi
   value times ``decay ** (t - ref)``. Stored values are int64 multiples of ``2**-16``: each
   occurrence's amount is rounded once, then integers are summed, so a score does not depend on
   the order in which its ids arrive (a sharded table and an unsharded one, any rank order, agree
-  bit for bit). (The click part of an amount is computed in float32: exact for 0/1 clicks while
-  ``beta * 2**36`` fits its 24-bit mantissa's reach, otherwise rounded the same way everywhere.) When ``decay ** -(t - ref)`` passes ``2**20`` every stored value is rescaled to
-  ``ref = t`` (rounded; rare: every ``14 / -ln(decay)`` steps) at the end of a step.
+  bit for bit). An amount is ``round(alpha * unit) + round(beta * unit * click)``, the product
+  in float32: rounded the same way on every rank, whatever the order. When
+  ``decay ** -(t - ref)`` passes ``2**20`` every stored value is rescaled to ``ref = t``
+  (rounded; rare: every ``14 / -ln(decay)`` steps) at the end of a step.
 * **Ids with a row** (only with :class:`ScoreEviction`): one int64 per row (``rows``), lazily
   resident like the table's other per-row arrays, plus a spare entry at index ``capacity`` that
   absorbs the amounts of ids without a row.
@@ -59,8 +60,7 @@ class StepUnits:
 
     def amounts(self, n: int, clicks: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """What each of ``n`` occurrences adds, int64 ``[n]``: ``round(show) + round(click * clicks[i])``,
-        the product in float32 (exact for 0/1 clicks up to the rescale point; elementwise, so still
-        independent of the order of the ids)."""
+        the product in float32 (elementwise: independent of the order of the ids)."""
         show = round(self.show)
         if clicks is None or self.click == 0:
             return torch.full((n,), show, dtype=torch.int64, device=device)
