@@ -154,17 +154,20 @@ def test_a_device_cache_trains_the_same_model(
     assert diff <= 1e-6, serve.stdout
 
 
-def test_demo_on_a_criteo_file(tmp_path: Path) -> None:
+def test_demo_on_a_criteo_file_with_show_click_tables(tmp_path: Path) -> None:
     # 3000 lines: 1500 per rank, 23 batches of 64, 8 held out, so 20 steps run into a second epoch.
+    # The file tables admit and evict by show/click score: the batches carry their clicks.
     data = write_synthetic_criteo(tmp_path / "day_0.tsv", num_lines=3000, seed=3)
     out = tmp_path / "out"
     flags = ["--world-size", "2", "--data", "criteo", "--data-path", str(data), "--steps", "20", "--batch-size", "64"]
-    proc = run_demo(*flags, "--eval-every", "0", "--out", str(out))
+    proc = run_demo(*flags, "--eval-every", "0", "--id-policy", "showclick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = check_summary(out, steps=20)
-    assert summary["data"] == "criteo"
+    assert summary["data"] == "criteo" and summary["id_policy"] == "showclick"
     assert set(summary["tables"]) == {f"t_{name}" for name in CRITEO_SPARSE_FEATURES}
     assert summary["best_possible_auc"] is None
+    tables = summary["tables"].values()
+    assert sum(t["admission_rejects"] for t in tables) > 0 and sum(t["inserts"] for t in tables) > 0
 
 
 def test_converted_criteo_trains_exactly_as_the_tsv(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
-from model import DLRM, file_tables, random_sequence_tables, random_tables
+from model import DLRM, ID_POLICIES, file_tables, needs_clicks, random_sequence_tables, random_tables
 from safetensors.torch import save_file
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -43,7 +43,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingEnv
 from tqdm import tqdm
 
-from recsdk.data import DEVICE_TYPES, backend_for, get_device
+from recsdk.data import DEVICE_TYPES, Batch, backend_for, get_device
 from recsdk.data.testing import free_port
 from recsdk.pipeline import (
     MAX_PIPE_N_BATCH,
@@ -117,6 +117,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=_fraction,
         default=None,
         help="keep the row-wise tables' rows in host memory, this share of them in the device cache (0 < F < 1)",
+    )
+    parser.add_argument(
+        "--id-policy",
+        choices=sorted(ID_POLICIES),
+        default="countmin_lru",
+        help="admission and eviction of the tables with more ids than rows (user; every file feature)",
     )
     parser.add_argument("--num-workers", type=_int_at_least(0), default=0, help="DataLoader workers per rank")
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="seed of the data and the model")
@@ -214,9 +220,10 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         #    attention for the rest (model.py). On "meta", DistributedModelParallel allocates
         #    only this rank's shards of the tables.
         if args.data == "random":
-            tables, sequence_tables = random_tables(), random_sequence_tables(history=not args.no_history)
+            tables = random_tables(args.id_policy)
+            sequence_tables = random_sequence_tables(history=not args.no_history)
         else:
-            tables, sequence_tables = file_tables(data.features), []
+            tables, sequence_tables = file_tables(data.features, args.id_policy), []
         model = DLRM(tables, data.num_dense, torch.device("meta"), sequence_tables=sequence_tables)
 
         # 5. The sparse optimizer: fused into the backward pass of the embedding tables.
@@ -286,6 +293,8 @@ def train(
     """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps
     and, with a ``publisher``, a version every ``args.publish_every`` steps and at the end."""
     batches = iter(data.train)
+    if needs_clicks(args.id_policy):  # the tables score clicks: each id carries its sample's label
+        batches = map(Batch.with_clicks, batches)
     auroc = BinaryAUROC(process_group=host_gp)  # compute() gathers the predictions of every rank
     best_auc = best_possible_auc(data, auroc)
     if best_auc is not None and rank == 0:
@@ -450,6 +459,7 @@ def report(
         "device": device.type,
         "data": args.data,
         "history": args.data == "random" and not args.no_history,
+        "id_policy": args.id_policy,
         "steps": args.steps,
         "batch_size_per_rank": args.batch_size,
         "samples_per_s": round(history["samples_per_s"], 1),

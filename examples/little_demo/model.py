@@ -13,6 +13,7 @@ candidate's embedding and the attention's output. ``forward`` takes the Batch an
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,10 @@ from recsdk.embedding import (
     HashEmbeddingCollection,
     HashEmbeddingConfig,
     LRUEviction,
+    ProbabilisticAdmission,
+    ScoreAdmission,
+    ScoreEviction,
+    ShowClickScore,
     TTLEviction,
 )
 
@@ -41,22 +46,45 @@ ITEM_DIM = 16
 ITEM_INIT_STD = 0.1
 
 
-def random_tables() -> list[HashEmbeddingBagConfig]:
+# How the tables with more ids than rows (``user``; every file feature) admit and evict ids
+# (``--id-policy``). ``showclick`` and ``probabilistic`` admit about as early as ``countmin_lru``
+# (a second sighting): a click counts as two sightings, or each sighting is a coin flip.
+_SHOW_CLICK = ShowClickScore(alpha=1.0, beta=1.0, decay=0.99)
+ID_POLICIES: dict[str, dict[str, Any]] = {
+    "countmin_lru": {"admission": CountAdmission(threshold=2), "eviction": LRUEviction()},
+    "showclick": {
+        "admission": ScoreAdmission(threshold=1.9, score=_SHOW_CLICK),
+        "eviction": ScoreEviction(evict_fraction=0.01, score=_SHOW_CLICK),
+    },
+    "probabilistic": {"admission": ProbabilisticAdmission(probability=0.5), "eviction": LRUEviction()},
+}
+"""``--id-policy`` -> the admission and eviction of the tables with more ids than rows."""
+
+
+def needs_clicks(id_policy: str) -> bool:
+    """Whether the policy's tables score clicks (training batches then carry them: ``Batch.with_clicks``)."""
+    score = getattr(ID_POLICIES[id_policy]["admission"], "score", None)
+    return score is not None and score.needs_clicks
+
+
+def random_tables(id_policy: str = "countmin_lru") -> list[HashEmbeddingBagConfig]:
     """The synthetic task's pooled tables (``user`` and ``dataset.CONTEXT_ID_RANGES``).
 
     ``num_embeddings`` is a table's capacity: how many distinct ids it holds at once.
+
+    Args:
+        id_policy (str): a key of :data:`ID_POLICIES`, for the ``user`` table.
     """
     return [
-        # 100k user ids, a long tail: admit an id on its second sighting, and keep the
-        # 8k most recently used ones (LRU eviction when full).
+        # 100k user ids, a long tail: by default admit an id on its second sighting, and keep
+        # the 8k most recently used ones (LRU eviction when full).
         HashEmbeddingBagConfig(
             name="user",
             feature_names=["user"],
             embedding_dim=16,
             num_embeddings=8_192,
             pooling=PoolingType.SUM,
-            admission=CountAdmission(threshold=2),
-            eviction=LRUEviction(),
+            **ID_POLICIES[id_policy],
         ),
         HashEmbeddingBagConfig(
             name="category", feature_names=["category"], embedding_dim=4, num_embeddings=512, pooling=PoolingType.SUM
@@ -96,11 +124,15 @@ def random_sequence_tables(history: bool = True) -> list[HashEmbeddingConfig]:
     ]
 
 
-def file_tables(features: list[Feature]) -> list[HashEmbeddingBagConfig]:
+def file_tables(features: list[Feature], id_policy: str = "countmin_lru") -> list[HashEmbeddingBagConfig]:
     """One table per feature of a Criteo or Parquet file, for any vocabulary.
 
-    Multi-hot features are averaged (MEAN), single ids summed (SUM). A full table evicts its
-    least recently used ids, so vocabularies larger than the capacity fit.
+    Multi-hot features are averaged (MEAN), single ids summed (SUM). A full table evicts ids
+    (by default its least recently used ones), so vocabularies larger than the capacity fit.
+
+    Args:
+        features (list[Feature]): the file's sparse features.
+        id_policy (str): a key of :data:`ID_POLICIES`.
     """
     return [
         HashEmbeddingBagConfig(
@@ -109,8 +141,7 @@ def file_tables(features: list[Feature]) -> list[HashEmbeddingBagConfig]:
             embedding_dim=FILE_TABLE_DIM,
             num_embeddings=FILE_TABLE_CAPACITY,
             pooling=PoolingType.MEAN if f.multi_hot else PoolingType.SUM,
-            admission=CountAdmission(threshold=2),
-            eviction=LRUEviction(),
+            **ID_POLICIES[id_policy],
         )
         for f in features
     ]
