@@ -138,10 +138,11 @@ class ShowClickScore:
     occurrence weighs ``decay ** k``.
 
     Scores are kept exactly enough to be reproducible: each occurrence adds
-    ``(alpha + beta * click) * decay ** -(step - ref)`` rounded to a multiple of ``2**-16`` in int64
-    (integer sums do not depend on the order ids arrive in, so every rank and every sharding
-    makes the same decisions), with ``ref`` moved forward (all scores rescaled, rounded) whenever
-    the factor passes ``2**20``. Checkpoints keep the stored values and their reference step, so a
+    ``alpha * u`` and ``beta * u * click``, each rounded to an integer, with
+    ``u = 2**16 * decay ** -(step - ref)``, to an int64 (integer sums do not depend on the order
+    ids arrive in, so every rank and every sharding makes the same decisions), with ``ref`` moved
+    forward (all scores rescaled, rounded) whenever ``u`` passes ``2**36``
+    (:mod:`~recsdk.embedding.id_table_scores`). Checkpoints keep the stored values and their reference step, so a
     resumed table continues bit for bit.
 
     Args:
