@@ -9,6 +9,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsdk.embedding import (
     HashEmbeddingBagCollection,
     HashEmbeddingBagConfig,
+    HashEmbeddingCollection,
+    HashEmbeddingConfig,
     IdTable,
     LRUEviction,
     ProbabilisticAdmission,
@@ -191,9 +193,9 @@ def test_probabilistic_admission_is_a_function_of_id_step_and_seed() -> None:
     ids = torch.arange(5000) * 7919
     tables = [IdTable(8192, admission=ProbabilisticAdmission(0.5, seed=1)) for _ in range(2)]
     tables[0].find_or_insert(ids)
-    tables[1].find_or_insert(ids.flip(0)[:2500])
-    tables[1].step  # noqa: B018 - the split below is one step in the first table, two here:
-    assert _stored(tables[0]) >= _stored(tables[1])  # the first half decided alike at step 1
+    half = ids.flip(0)[:2500]  # another table, another order, a subset: the same draw per id
+    tables[1].find_or_insert(half)
+    assert _stored(tables[1]) == _stored(tables[0]) & set(half.tolist())
     other_seed = IdTable(8192, admission=ProbabilisticAdmission(0.5, seed=2))
     other_seed.find_or_insert(ids)
     assert _stored(other_seed) != _stored(tables[0])
@@ -291,3 +293,24 @@ def test_the_collection_reads_clicks_from_the_weights_in_training() -> None:
     ebc(_kjt([3]))  # evaluation reads no clicks
     with pytest.raises(ValueError, match="a weighted collection pools with its weights"):
         _ebc(is_weighted=True)
+
+
+def test_the_unpooled_collection_reads_clicks_of_every_feature_of_a_table() -> None:
+    cfg = HashEmbeddingConfig(
+        name="item",
+        embedding_dim=4,
+        num_embeddings=16,
+        feature_names=["history", "candidate"],
+        eviction=ScoreEviction(score=ShowClickScore(alpha=1.0, beta=2.0)),
+    )
+    ec = HashEmbeddingCollection(tables=[cfg])
+    kjt = KeyedJaggedTensor(
+        keys=["history", "candidate"],
+        values=torch.tensor([5, 6, 5]),
+        weights=torch.tensor([1.0, 0.0, 0.0]),
+        lengths=torch.tensor([2, 0, 1, 0]),
+    )
+    ec(kjt)
+    assert ec.id_tables["item"].scores(_ids(5, 6)).tolist() == [4.0, 1.0]  # 5: two shows, one clicked
+    with pytest.raises(ValueError, match="HashEmbeddingCollection: table"):
+        ec(KeyedJaggedTensor(keys=["history", "candidate"], values=torch.tensor([5]), lengths=torch.tensor([1, 0])))

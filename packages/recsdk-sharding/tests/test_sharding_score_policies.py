@@ -162,3 +162,50 @@ def test_a_training_batch_without_clicks_fails_every_rank() -> None:
     text = str(info.value)
     assert "2 of 2 ranks failed" in text
     assert "score clicks" in text and "with_clicks()" in text
+
+
+def _unpooled(rank: int, world_size: int, sharding_type: str) -> dict:
+    """The unpooled collection: a history and a candidate feature over one score-policy table."""
+    from test_sharding_hash_ec import GLOBAL_BATCH, STEPS, _batch, _sharded_model
+
+    from recsdk.data.testing import rank_slice
+    from recsdk.embedding import IdTable
+    from recsdk.sharding import owner
+
+    torch.set_num_threads(1)
+    model, sec = _sharded_model(sharding_type, capacity=128, **POLICIES)
+    reference = None
+    if "item" in sec.id_tables:
+        reference = IdTable(sec.id_tables["item"].capacity, **POLICIES)
+    for step in range(STEPS):
+        whole = _batch(GLOBAL_BATCH, seed=step).with_clicks()
+        loss, _ = model(rank_slice(whole, rank, world_size).with_clicks())
+        loss.backward()
+        if reference is not None:
+            kjt = whole.sparse_features  # every rank's samples, rank by rank: what the owners receive
+            parts = [kjt["history"], kjt["candidate"]]
+            ids, clicks = torch.cat([p.values() for p in parts]), torch.cat([p.weights() for p in parts])
+            if sharding_type == "row_wise":
+                mine = owner(ids, world_size) == rank
+                ids, clicks = ids[mine], clicks[mine]
+            reference.find_or_insert(ids, clicks)
+    if reference is None:
+        return {}
+    got, expected = sec.id_tables["item"].state_dict(), reference.state_dict()
+    return {
+        name: {
+            "ids": sd["ids"].sort().values.tolist(),
+            "scores": sd["scores"][sd["ids"].argsort()].tolist(),
+            "evictions": table.stats()["evictions"],
+        }
+        for name, sd, table in (("got", got, sec.id_tables["item"]), ("expected", expected, reference))
+    }
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "table_wise"])
+def test_the_unpooled_collection_scores_clicks_as_unsharded(sharding_type: str) -> None:
+    results = [r for r in run_distributed(_unpooled, 2, sharding_type, timeout_s=120) if r]
+    assert results
+    for r in results:
+        assert r["got"] == r["expected"]
+        assert r["got"]["evictions"] > 0
