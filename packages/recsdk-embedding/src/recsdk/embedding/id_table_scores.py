@@ -118,7 +118,9 @@ class IdTableScores:
         if self.rows is not None:
             self.rows.index_add_(0, used, amounts)
 
-    def admit(self, uniq: torch.Tensor, amounts: torch.Tensor, units: StepUnits) -> tuple[torch.Tensor, torch.Tensor]:
+    def admit(
+        self, uniq: torch.Tensor, amounts: torch.Tensor, units: StepUnits
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Which distinct ids without a row reach the threshold this step (reads only).
 
         Args:
