@@ -299,6 +299,58 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 its read from the data iterator or its forward, backward or optimizer step
                 (chained to that failure).
         """
+        self._check_usable()
+        training = bool(self._tr_model.training)
+        return self._advance(self._enter_mode(training), training, dataloader_iter)
+
+    @property
+    def batches_trained(self) -> int:
+        """Training batches this pipeline has computed (backward and optimizer step done)."""
+        return self._train_steps
+
+    @property
+    def batches_read_ahead(self) -> int:
+        """Training batches read from the iterator but not trained yet (0 after :meth:`drain`)."""
+        return len(self._lanes[True].steps)
+
+    def drain(self) -> list[Any]:
+        """Train the batches read ahead now, in order, without reading another; their outputs.
+
+        The way to checkpoint while pipelining: afterwards every batch read from the data
+        iterator has been trained and none is mapped ahead, so the model, its id tables and the
+        iterator's position (``StatefulDataLoader.state_dict()``) all stand after the last batch
+        read; save them, then keep calling :meth:`progress`, which reads on from there. A job
+        resumed from that checkpoint trains exactly the batches this one trains next, in the
+        same pipeline state (nothing in flight), so it gives the same results.
+
+        Returns:
+            list: what :meth:`progress` would have returned for each of those batches (the
+            caller counts them as steps).
+
+        Raises:
+            ValueError: batches are read ahead for training but the model is in eval mode.
+            RuntimeError: as :meth:`progress`.
+
+        Example::
+
+            for output in pipeline.drain():
+                step += 1
+            save_checkpoint(model, optimizer, f"ckpt/step_{step}", pipeline=pipeline,
+                            extra={"step": step, "data": loader.state_dict()})
+        """
+        lane = self._lanes[True]
+        if not lane.steps:
+            return []
+        self._check_usable()
+        if not self._tr_model.training:
+            raise ValueError(
+                f"drain() trains the {len(lane.steps)} batches read ahead for training, but the model is in eval "
+                "mode; call model.train() first"
+            )
+        lane = self._enter_mode(True)
+        return [self._advance(lane, True, None) for _ in range(len(lane.steps))]
+
+    def _check_usable(self) -> None:
         if self._worker.closed:
             raise RuntimeError("HybridTrainPipelineSparseDist is closed")
         if self._failure is not None:
@@ -308,15 +360,17 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             ) from self._failure
         if not self._tr_attached:
             self.attach(self._tr_model)
-        training = bool(self._tr_model.training)
-        lane = self._enter_mode(training)
+
+    def _advance(self, lane: _Lane, training: bool, dataloader_iter: Iterator[In] | None) -> Any:
+        """Compute the lane's next batch, reading ahead from ``dataloader_iter`` first (None: no read)."""
         # The previous batch's backward is done: release its rows now, on this thread and before
         # any host stage is submitted, so which rows a host stage may evict never depends on
         # thread timing.
         for module in self._host_modules:
             cast(HostStagedModule, module).release_finished_pins()
         try:
-            self._fill(lane, dataloader_iter)
+            if dataloader_iter is not None:
+                self._fill(lane, dataloader_iter)
             if not lane.steps:
                 raise StopIteration
             step = lane.steps[0]

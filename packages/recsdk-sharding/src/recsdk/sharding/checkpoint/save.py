@@ -6,7 +6,7 @@ import os
 import pickle
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,12 +29,20 @@ from recsdk.sharding.checkpoint.publish import begin_directory, discard_director
 __all__ = ["save_checkpoint"]
 
 
+class ReadAhead(Protocol):
+    """What :func:`save_checkpoint` asks of a pipeline (``recsdk.pipeline.HybridTrainPipelineSparseDist``)."""
+
+    @property
+    def batches_read_ahead(self) -> int: ...
+
+
 def save_checkpoint(
     model: nn.Module,
     optimizer: KeyedOptimizer | None,
     path: str | os.PathLike[str],
     *,
     extra: dict[str, Any] | None = None,
+    pipeline: ReadAhead | None = None,
 ) -> str:
     """Save a sharded model, its optimizer and ``extra`` to the new directory ``path``, atomically.
 
@@ -51,7 +59,9 @@ def save_checkpoint(
     eviction and admission metadata), the rest of ``model.state_dict()``, the optimizer's
     state and parameter-group hyperparameters, and each rank's ``extra``. Row pins of batches
     in flight are runtime state and are not saved: save from a plain loop between steps, or
-    after a pipeline has finished its batches.
+    from a pipeline after ``pipeline.drain()`` (it trains the batches read ahead, so nothing
+    is in flight and the data position is that of the last batch trained); pass the pipeline
+    as ``pipeline`` and a save with batches still read ahead is refused.
 
     Args:
         model (nn.Module): the ``DistributedModelParallel`` (or a module holding
@@ -62,12 +72,16 @@ def save_checkpoint(
         path (str | os.PathLike): directory to create; must not exist yet.
         extra (dict | None): picklable per-rank user state (step, data position, RNG state);
             :func:`load_checkpoint` returns it.
+        pipeline (HybridTrainPipelineSparseDist | None): the pipeline training ``model``; it
+            must hold no batch read ahead (``pipeline.drain()`` first).
 
     Returns:
         str: the absolute path of the published checkpoint.
 
     Raises:
         FileExistsError: ``path`` exists.
+        ValueError: ``pipeline`` holds batches read ahead (on every rank alike, before anything
+            is written).
         FileNotFoundError: the parent directory of ``path`` does not exist.
         ValueError: the ranks passed different paths (raised on every rank, before any write).
         TypeError: an argument has the wrong type, or the model holds an unsharded
@@ -85,6 +99,12 @@ def save_checkpoint(
     optimizer_state.check_optimizer(optimizer)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+    if pipeline is not None and pipeline.batches_read_ahead:
+        raise ValueError(
+            f"save_checkpoint: the pipeline holds {pipeline.batches_read_ahead} batches read ahead and mapped but "
+            "not trained; call pipeline.drain() first (it trains them), so that the checkpoint and the data position "
+            "stand after the last batch read"
+        )
     modules = hash_modules(model)
     final = os.path.abspath(os.fspath(path))
     comm = Comm(host_group(modules), what=f"saving checkpoint {final!r}")
