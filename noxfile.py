@@ -89,7 +89,7 @@ def integration(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: the little demo, 2 ranks on this machine (``-- --steps 100`` etc. pass flags on)."""
-    _install(session, PACKAGES, ["matplotlib"])
+    _install(session, PACKAGES, ["matplotlib", "torchdata"])
     out = Path(session.create_tmp()) / "little_demo"  # summary.json and training.png; a later --out wins
     session.run("python", "examples/little_demo/main.py", "--world-size", "2", "--out", str(out), *session.posargs)
 
@@ -116,7 +116,7 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- sharded_training.py --steps 10`` runs one script with its own flags.
     """
-    _install(session, PACKAGES, ["matplotlib"])
+    _install(session, PACKAGES, ["matplotlib", "torchdata"])
     if session.posargs:
         script, *flags = session.posargs
         session.run("python", str(Path("benchmarks") / Path(script).name), *flags)

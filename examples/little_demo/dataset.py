@@ -27,7 +27,7 @@ for evaluation and training cycles over the rest, epoch after epoch, in file ord
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import (
@@ -341,7 +342,7 @@ class DemoData:
 
     features: list[Feature]
     num_dense: int
-    train: Iterable[Batch]
+    train: StatefulDataLoader | TrainBatches
     held_out: list[Batch]
     held_out_probabilities: list[torch.Tensor] | None = None
 
@@ -406,28 +407,54 @@ def parquet_features(files: list[Path]) -> tuple[list[Feature], list[str]]:
     return features, dense
 
 
-def _hold_out(
-    dataset: IterableDataset[Batch], num_workers: int, eval_batches: int
-) -> tuple[Iterator[Batch], list[Batch]]:
+class TrainBatches:
+    """A file stream's training batches: each epoch's batches after the first ``skip`` (held out),
+    epoch after epoch, through a ``StatefulDataLoader``; with a data position.
+
+    ``state_dict()`` is the epoch and the loader's position in it (after the last batch yielded);
+    ``load_state_dict(state)`` makes the next iteration continue from there.
+    """
+
+    def __init__(self, dataset: IterableDataset[Batch], num_workers: int, skip: int) -> None:
+        self._loader = StatefulDataLoader(
+            dataset, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0
+        )
+        self._skip = skip
+        self._epoch = 0
+        self._mid_epoch = False  # a loaded position: continue this epoch, skip nothing
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            batches = iter(self._loader)
+            if not self._mid_epoch:
+                for _ in itertools.islice(batches, self._skip):
+                    pass
+            yielded = self._mid_epoch  # a loaded position may stand at the end of its epoch
+            self._mid_epoch = False
+            for batch in batches:
+                yielded = True
+                yield batch
+            if not yielded:
+                raise ValueError(f"the data has no batch per rank left for training after {self._skip} held out")
+            self._epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "loader": self._loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._epoch = int(state["epoch"])
+        self._loader.load_state_dict(state["loader"])
+        self._mid_epoch = True
+
+
+def _hold_out(dataset: IterableDataset[Batch], num_workers: int, eval_batches: int) -> tuple[TrainBatches, list[Batch]]:
     """Hold out the first ``eval_batches`` batches of a file stream; train on the rest, epoch after epoch."""
     held_out = list(itertools.islice(DataLoader(dataset, batch_size=None), eval_batches))
     if len(held_out) < eval_batches:
         raise ValueError(
             f"the data has only {len(held_out)} batches per rank, fewer than --eval-batches {eval_batches}"
         )
-
-    loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, persistent_workers=num_workers > 0)
-
-    def epochs() -> Iterator[Batch]:
-        while True:
-            empty = True
-            for batch in itertools.islice(loader, eval_batches, None):
-                empty = False
-                yield batch
-            if empty:
-                raise ValueError(f"the data has no batch per rank left for training after {eval_batches} held out")
-
-    return epochs(), held_out
+    return TrainBatches(dataset, num_workers, eval_batches), held_out
 
 
 def make_data(
@@ -470,7 +497,7 @@ def make_data(
         return DemoData(
             features=features,
             num_dense=RANDOM_NUM_DENSE,
-            train=DataLoader(dataset(steps, sample_seed=seed), batch_size=None, num_workers=num_workers),
+            train=StatefulDataLoader(dataset(steps, sample_seed=seed), batch_size=None, num_workers=num_workers),
             held_out=[batch for batch, _ in held_out],
             held_out_probabilities=[probs for _, probs in held_out],
         )

@@ -9,6 +9,8 @@ live in ``dataset.py``, the model of step 4 in ``model.py``)::
     python -m recsdk.data.convert criteo day_0.tsv.gz day_0_columnar    # once; then:
     python examples/little_demo/main.py --world-size 2 --data columnar --data-path day_0_columnar
     python examples/little_demo/main.py --world-size 2 --no-history  # the same model without the history
+    torchrun --nproc_per_node=2 --max-restarts=3 examples/little_demo/main.py \
+        --checkpoint-dir ckpt --checkpoint-every 100               # a killed rank: the group resumes
 
 Rank 0 shows a progress bar, evaluates the AUC on held-out batches every ``--eval-every``
 steps, and at the end prints a summary and writes ``summary.json`` and ``training.png`` into
@@ -21,7 +23,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -36,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
 from model import DLRM, ID_POLICIES, file_tables, needs_clicks, random_sequence_tables, random_tables
+from report import print_header, report
+from resume import TrainingState, resume, save
 from safetensors.torch import save_file
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -132,7 +135,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--publish-every", type=_int_at_least(1), default=None, help="steps between published versions (default 100)"
     )
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="save checkpoints here, and resume from the latest one it holds"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=_int_at_least(1), default=None, help="steps between checkpoints (default 100)"
+    )
     args = parser.parse_args(argv)
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir (the folder the checkpoints go to)")
+    args.checkpoint_every = args.checkpoint_every or 100
     if args.publish_every is not None and args.publish_dir is None:
         parser.error("--publish-every needs --publish-dir (the folder the versions go to)")
     args.publish_every = args.publish_every or 100
@@ -208,8 +220,14 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
     if device.type != "cpu":
         torch.get_device_module(device.type).set_device(device)
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    store = restart_store(rank, world_size, timeout) if init_method == "env://" else None
     dist.init_process_group(
-        backend=backend_for(device), init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        backend=backend_for(device),
+        init_method=None if store is not None else init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
     try:
         host_gp = dist.new_group(backend="gloo", timeout=timeout)
@@ -249,6 +267,11 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         )
         optimizer = CombinedOptimizer([ddp_model.fused_optimizer, dense_optimizer])
 
+        # Resuming: the latest checkpoint of --checkpoint-dir, if it holds one (resume.py).
+        state, rng = resume(ddp_model, optimizer, data.train, args.checkpoint_dir)
+        if rank == 0 and state.resumed_from is not None:
+            print(f"resumed from {state.resumed_from} (step {state.step})", flush=True)
+
         # Publishing for serving (optional): numbered versions, full or deltas, between steps.
         publisher = Publisher(ddp_model, args.publish_dir) if args.publish_dir else None
 
@@ -258,9 +281,11 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         )
         try:
             if rank == 0:
-                _print_header(args, world_size, device, ddp_model)
+                print_header(args, world_size, device, ddp_model)
             # 9. Training with the pipeline (and evaluating with it, in eval mode).
-            history = train(pipeline, ddp_model, data, args, rank, world_size, host_gp, publisher)
+            history = train(
+                pipeline, ddp_model, optimizer, data, args, rank, world_size, host_gp, state, rng, publisher
+            )
             history["host_staged"], history["inline"] = pipeline.host_staged_modules, pipeline.inline_modules
             history["host_thread"] = pipeline.host_thread
         finally:
@@ -283,51 +308,72 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
 def train(
     pipeline: HybridTrainPipelineSparseDist,
     ddp_model: torch.nn.Module,
+    optimizer: CombinedOptimizer,
     data: DemoData,
     args: argparse.Namespace,
     rank: int,
     world_size: int,
     host_gp: dist.ProcessGroup,
+    state: TrainingState,
+    rng: torch.Tensor | None,
     publisher: Publisher | None = None,
 ) -> dict[str, Any]:
-    """Step 9: ``args.steps`` calls of ``pipeline.progress``, with an eval every ``args.eval_every`` steps
-    and, with a ``publisher``, a version every ``args.publish_every`` steps and at the end."""
-    batches = iter(data.train)
+    """Step 9: ``pipeline.progress`` until ``args.steps`` steps are done (from ``state.step`` on),
+    with an eval every ``args.eval_every`` steps and, with a ``publisher``, a version every
+    ``args.publish_every`` steps and at the end; with a checkpoint directory, a checkpoint every
+    ``args.checkpoint_every`` steps (the pipeline drained first: its steps count)."""
+    batches: Iterator[Any] = iter(data.train)
+    if rng is not None:  # after the iterator: creating it draws from torch's RNG
+        torch.set_rng_state(rng)
     if needs_clicks(args.id_policy):  # the tables score clicks: each id carries its sample's label
         batches = map(Batch.with_clicks, batches)
     auroc = BinaryAUROC(process_group=host_gp)  # compute() gathers the predictions of every rank
     best_auc = best_possible_auc(data, auroc)
     if best_auc is not None and rank == 0:
         print(f"held-out AUC of the true click probabilities (the best possible): {best_auc:.4f}", flush=True)
-    losses: list[torch.Tensor] = []
-    evals: list[tuple[int, float]] = []
-    train_s = 0.0
     samples_per_step = args.batch_size * world_size
-    with tqdm(total=args.steps, desc="train", disable=rank != 0, dynamic_ncols=True) as bar:
-        for step in range(1, args.steps + 1):
+    started_at = state.step
+
+    def after_step(loss: torch.Tensor, seconds: float) -> None:
+        state.step += 1
+        state.losses.append(float(loss))
+        state.train_s += seconds
+        step = state.step
+        bar.update()
+        if step % 10 == 0 or step == args.steps:
+            rate = (step - started_at) * samples_per_step / max(state.train_s - train_s_before, 1e-9)
+            bar.set_postfix_str(f"loss={float(loss):.4f} samples/s={rate:,.0f}")
+        if publisher is not None and (step % args.publish_every == 0 or step == args.steps):
+            publisher.publish(step=step)  # between steps: batches mapped ahead are left out until they compute
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            scores: list[torch.Tensor] = []
+            state.evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc, scores)))
+            if rank == 0:
+                bar.write(f"step {step:>5}: eval AUC {state.evals[-1][1]:.4f}")
+            if publisher is not None and step == args.steps:
+                _save_eval_scores(scores, Path(args.out), host_gp, rank)
+
+    train_s_before = state.train_s
+    with tqdm(total=args.steps, initial=state.step, desc="train", disable=rank != 0, dynamic_ncols=True) as bar:
+        while state.step < args.steps:
             start = time.perf_counter()
             loss, _, _ = pipeline.progress(batches)
-            losses.append(loss)
-            train_s += time.perf_counter() - start
-            bar.update()
-            if step % 10 == 0 or step == args.steps:
-                bar.set_postfix_str(f"loss={float(loss):.4f} samples/s={step * samples_per_step / train_s:,.0f}")
-            if publisher is not None and (step % args.publish_every == 0 or step == args.steps):
-                publisher.publish(step=step)  # between steps: batches mapped ahead are left out until they compute
-            if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-                scores: list[torch.Tensor] = []
-                evals.append((step, evaluate(pipeline, ddp_model, data.held_out, auroc, scores)))
-                if rank == 0:
-                    bar.write(f"step {step:>5}: eval AUC {evals[-1][1]:.4f}")
-                if publisher is not None and step == args.steps:
-                    _save_eval_scores(scores, Path(args.out), host_gp, rank)
+            after_step(loss, time.perf_counter() - start)
+            due = args.checkpoint_dir is not None and state.step % args.checkpoint_every == 0
+            if due and state.step + pipeline.batches_read_ahead <= args.steps:
+                start = time.perf_counter()
+                for loss, _, _ in pipeline.drain():  # train what was read ahead: nothing in flight
+                    after_step(loss, time.perf_counter() - start)
+                    start = time.perf_counter()
+                save(ddp_model, optimizer, pipeline, data.train, args.checkpoint_dir, state)
     return {
-        "losses": torch.stack(losses).cpu().tolist(),
-        "evals": evals,
+        "losses": state.losses,
+        "evals": state.evals,
         "best_auc": best_auc,
-        "train_s": train_s,
-        "samples_per_s": args.steps * samples_per_step / train_s,
+        "train_s": state.train_s,
+        "samples_per_s": (args.steps - started_at) * samples_per_step / max(state.train_s - train_s_before, 1e-9),
         "published": [dataclasses.asdict(r) for r in publisher.records] if publisher is not None else [],
+        "resumed_from": state.resumed_from,
     }
 
 
@@ -424,151 +470,29 @@ def gather_losses(losses: list[float], group: dist.ProcessGroup) -> list[float]:
     return [sum(values) / len(values) for values in zip(*per_rank, strict=True)]
 
 
-# ---- the report (rank 0) ------------------------------------------------------------------------
-
-
-def _print_header(args: argparse.Namespace, world_size: int, device: torch.device, model: Any) -> None:
-    data = args.data if args.data != "random" else f"random data {'without' if args.no_history else 'with'} history"
-    print(f"little demo: {world_size} rank(s) on {device.type} ({backend_for(device)}), {data}, ", end="")
-    print(f"{args.steps} steps of {args.batch_size} samples per rank")
-    groups: dict[str, list[str]] = {}
-    for module in ("ebc", "ec"):
-        for name, p in model.plan.plan.get(module, {}).items():
-            ranks = p.ranks or []
-            where = f"{p.sharding_type} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-            groups.setdefault(where, []).append(name)
-    for where, names in groups.items():
-        listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} tables, {names[0]} .. {names[-1]}"
-        print(f"plan: {where}: {listed}")
-    sys.stdout.flush()
-
-
-def report(
-    args: argparse.Namespace,
-    world_size: int,
-    device: torch.device,
-    history: dict[str, Any],
-    losses: list[float],
-    stats: dict[str, dict[str, Any]],
-    wall_s: float,
-) -> None:
-    """Print the summary table and write ``summary.json`` and ``training.png`` into ``args.out``."""
-    tail = losses[-min(len(losses), 20) :]
-    summary = {
-        "world_size": world_size,
-        "device": device.type,
-        "data": args.data,
-        "history": args.data == "random" and not args.no_history,
-        "id_policy": args.id_policy,
-        "steps": args.steps,
-        "batch_size_per_rank": args.batch_size,
-        "samples_per_s": round(history["samples_per_s"], 1),
-        "train_s": round(history["train_s"], 2),
-        "wall_s": round(wall_s, 2),
-        "final_train_loss": sum(tail) / len(tail),  # mean of the last 20 steps, over all ranks
-        "eval_auc": history["evals"][-1][1],
-        "best_possible_auc": history["best_auc"],
-        "eval_history": [{"step": s, "auc": a} for s, a in history["evals"]],
-        "host_thread": history["host_thread"],
-        "host_staged_modules": history["host_staged"],
-        "inline_modules": history["inline"],
-        "tables": stats,
-        "published": history["published"],
-    }
-    out = Path(args.out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(losses, history["evals"], history["best_auc"], out / "training.png")
-
-    lines = [
-        ("steps", f"{args.steps}"),
-        ("samples/s (all ranks)", f"{summary['samples_per_s']:,.0f}"),
-        ("final train loss", f"{summary['final_train_loss']:.4f}"),
-        ("eval AUC", f"{summary['eval_auc']:.4f}"),
-    ]
-    if history["best_auc"] is not None:
-        lines.append(("best possible AUC", f"{history['best_auc']:.4f}"))
-    lines.append(("wall time (s)", f"{wall_s:.1f}"))
-    print()
-    for label, value in lines:
-        print(f"{label:<28}{value:>12}")
-    print()
-    row = "{:<12}{:<8}{:>22}{:>10}{:>11}{:>19}{:>10}"
-    header = ("table", "module", "ids stored / capacity", "inserts", "evictions", "admission rejects", "hit rate")
-    print(row.format(*header))
-    for name, s in stats.items():
-        stored = f"{s['size']:,} / {s['capacity']:,}"
-        counts = [f"{s[key]:,}" for key in ("inserts", "evictions", "admission_rejects")]
-        print(row.format(name, s["module"], stored, *counts, f"{s['hit_rate']:.3f}"))
-    cached = {name: s for name, s in stats.items() if "cache_hit_rate" in s}
-    if cached:
-        row = "{:<12}{:>14}{:>16}{:>12}{:>12}{:>18}"
-        print()
-        print(row.format("table", "cache slots", "cache hit rate", "swap-ins", "swap-outs", "store rows used"))
-        for name, s in cached.items():
-            print(
-                row.format(
-                    name,
-                    f"{s['cache_slots']:,}",
-                    f"{s['cache_hit_rate']:.3f}",
-                    f"{s['swap_ins']:,}",
-                    f"{s['swap_outs']:,}",
-                    f"{s['store_rows_used']:,}",
-                )
-            )
-    if history["published"]:
-        _print_published(history["published"], args.publish_dir)
-    if history["host_staged"]:
-        print(f"\nhost stage run ahead on the pipeline's host thread for: {', '.join(history['host_staged'])}")
-    if history["inline"]:
-        where = "" if history["host_thread"] else " (no host thread on a CPU device)"
-        print(f"\npipelined on TorchRec's schedule, on the calling thread{where}: {', '.join(history['inline'])}")
-    print(f"\nwrote {out / 'summary.json'} and {out / 'training.png'}", flush=True)
-
-
-def _print_published(records: list[dict[str, Any]], root: str) -> None:
-    """The versions written: how many, ids and bytes per delta, and the time publishing took."""
-    deltas = [r for r in records if r["kind"] == "delta"]
-    fulls = [r for r in records if r["kind"] == "full"]
-    seconds = sum(r["seconds"] for r in records)
-    print(f"\npublished {len(records)} versions to {root} ({len(fulls)} full, {len(deltas)} deltas) in {seconds:.2f} s")
-    if fulls:
-        print(f"  full:  {fulls[-1]['ids']:,} ids, {fulls[-1]['bytes'] / 1e6:.2f} MB (the latest)")
-    if deltas:
-        ids = sum(r["ids"] for r in deltas) / len(deltas)
-        deleted = sum(r["deleted"] for r in deltas) / len(deltas)
-        size = sum(r["bytes"] for r in deltas) / len(deltas)
-        print(f"  delta: {ids:,.0f} ids and {deleted:,.0f} deletions, {size / 1e6:.2f} MB (mean per delta)")
-
-
-def plot(losses: list[float], evals: list[tuple[int, float]], best_auc: float | None, path: Path) -> None:
-    """Training loss (and its moving average) and eval AUC over the steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = list(range(1, len(losses) + 1))
-    window = max(1, len(losses) // 20)
-    smooth = [
-        sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))
-    ]
-    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
-    ax_loss.plot(steps, smooth, color="tab:blue", label=f"mean of {window} steps")
-    ax_loss.set(xlabel="step", ylabel="train loss (BCE)", title="training loss")
-    ax_loss.legend()
-    ax_auc.plot([s for s, _ in evals], [a for _, a in evals], "o-", color="tab:orange")
-    if best_auc is not None:
-        ax_auc.axhline(best_auc, color="gray", linestyle="--", label="best possible")
-        ax_auc.legend()
-    ax_auc.set(xlabel="step", ylabel="AUC", title="held-out AUC", ylim=(min(0.5, *(a - 0.02 for _, a in evals)), 1.0))
-    ax_auc.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ---- entry point --------------------------------------------------------------------------------
+
+
+def restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun after a restart (``--max-restarts``): the rendezvous store's keys of this
+    attempt only.
+
+    TorchElastic restarts the workers against the same store, where the gloo groups of the
+    attempt before left their peers' addresses: a restarted group would connect to those
+    (dead) addresses. A prefix per attempt keeps the attempts apart. None: not a restart.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"little_demo/attempt_{attempt}", store)
 
 
 def _spawned_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:

@@ -1,0 +1,89 @@
+"""Checkpoints of the little demo, and resuming from the latest one (``--checkpoint-dir``).
+
+Every ``--checkpoint-every`` steps the demo drains its pipeline (``pipeline.drain()`` trains the
+batches it has read ahead), then saves, on every rank, the model, the optimizer and what the
+training loop needs to go on exactly: the step, the losses and evaluations so far, this rank's
+data position (``StatefulDataLoader.state_dict()``, after the last batch trained) and its
+torch RNG state (re-initialised rows draw from it). A run started with a checkpoint directory
+that holds one resumes from its latest: under ``torchrun --max-restarts`` a group restarted
+after a rank died carries on from there and ends with the result of a run never killed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.optim.keyed import KeyedOptimizer
+
+from recsdk.pipeline import HybridTrainPipelineSparseDist
+from recsdk.sharding import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+@dataclass
+class TrainingState:
+    """Where the training loop stands: what a checkpoint carries besides the model.
+
+    Attributes:
+        step (int): training steps (batches) done.
+        losses (list[float]): this rank's loss of each step.
+        evals (list[tuple[int, float]]): (step, eval AUC) so far.
+        train_s (float): seconds spent in training steps so far (all runs of the job).
+        resumed_from (str | None): the checkpoint this run started from.
+    """
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    train_s: float = 0.0
+    resumed_from: str | None = None
+
+
+def resume(
+    model: nn.Module, optimizer: KeyedOptimizer, train_data: Any, directory: str | None
+) -> tuple[TrainingState, torch.Tensor | None]:
+    """Load the latest checkpoint of ``directory`` (if any) into the model, the optimizer and
+    ``train_data``'s position. Collective.
+
+    Returns:
+        tuple[TrainingState, torch.Tensor | None]: where training stands, and the RNG state to
+        restore once the data iterator exists (creating one draws a seed from torch's RNG).
+    """
+    latest = latest_checkpoint(directory) if directory is not None and os.path.isdir(directory) else None
+    if latest is None:
+        return TrainingState(), None
+    extra = load_checkpoint(model, optimizer, latest)
+    train_data.load_state_dict(extra["data"])
+    state = TrainingState(
+        step=extra["step"],
+        losses=list(extra["losses"]),
+        evals=[tuple(e) for e in extra["evals"]],
+        train_s=extra["train_s"],
+        resumed_from=latest,
+    )
+    return state, extra["rng"]
+
+
+def save(
+    model: nn.Module,
+    optimizer: KeyedOptimizer,
+    pipeline: HybridTrainPipelineSparseDist,
+    train_data: Any,
+    directory: str,
+    state: TrainingState,
+) -> str:
+    """Save a checkpoint of a drained pipeline's training into ``directory/step_<step>``. Collective."""
+    os.makedirs(directory, exist_ok=True)
+    extra = {
+        "step": state.step,
+        "losses": state.losses,
+        "evals": state.evals,
+        "train_s": state.train_s,
+        "data": train_data.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    path = os.path.join(directory, f"step_{state.step:08d}")
+    return save_checkpoint(model, optimizer, path, pipeline=pipeline, extra=extra)
