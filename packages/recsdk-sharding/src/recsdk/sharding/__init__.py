@@ -10,6 +10,7 @@ from recsdk.sharding.agreement import CarriedFlag, FailureAgreement, PeerFailure
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
+    AsyncCheckpointer,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -62,6 +63,7 @@ __all__ = [
     "EXPORT_MANIFEST",
     "OWNER_SALT",
     "AllToAllPooledEmbeddingDist",
+    "AsyncCheckpointer",
     "CarriedFlag",
     "CheckpointError",
     "FailureAgreement",

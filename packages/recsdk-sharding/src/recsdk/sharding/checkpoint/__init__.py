@@ -22,7 +22,8 @@ The manifest also records every file's size and CRC-32. Saving writes into
 has finished; loading checks the files, reads into staging buffers and changes the model only
 once every rank has read and validated its part. A failure on one rank raises on every rank.
 
-Modules: :mod:`.save`, :mod:`.load` (with :mod:`.validate`, checking a checkpoint against the
+Modules: :mod:`.save`, :mod:`.async_save` (the same write on a background thread, from a
+snapshot taken on the training thread), :mod:`.load` (with :mod:`.validate`, checking a checkpoint against the
 model, and :mod:`.reshard`, rebuilding tables by id), :mod:`.manifest` (the format),
 :mod:`.files` (sizes and checksums), :mod:`.publish` (atomic directories, shared with
 :mod:`recsdk.sharding.export`), :mod:`.layout` (what is read off the model),
@@ -30,9 +31,17 @@ model, and :mod:`.reshard`, rebuilding tables by id), :mod:`.manifest` (the form
 agreement).
 """
 
+from recsdk.sharding.checkpoint.async_save import AsyncCheckpointer
 from recsdk.sharding.checkpoint.errors import CheckpointError
 from recsdk.sharding.checkpoint.load import load_checkpoint
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, latest_checkpoint
 from recsdk.sharding.checkpoint.save import save_checkpoint
 
-__all__ = ["CHECKPOINT_MANIFEST", "CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_MANIFEST",
+    "AsyncCheckpointer",
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -94,6 +94,32 @@ def save_checkpoint(
 
         save_checkpoint(ddp_model, optimizer, f"ckpt/step_{step}", extra={"step": step})
     """
+    check_save_arguments(model, optimizer, extra, pipeline)
+    modules = hash_modules(model)
+    final = os.path.abspath(os.fspath(path))
+    comm = Comm(host_group(modules), what=f"saving checkpoint {final!r}")
+    started = time.time()
+    tmp = begin_directory(final, comm, "checkpoint")
+    try:
+        state, local = collect(model, optimizer, modules, extra, comm)
+        manifest = write(state, local, modules, tmp, final, comm)
+    except BaseException:
+        if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
+            discard_directory(tmp, comm)
+        raise
+    publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm, started=started)
+    return final
+
+
+def check_save_arguments(
+    model: nn.Module, optimizer: KeyedOptimizer | None, extra: dict[str, Any] | None, pipeline: ReadAhead | None
+) -> None:
+    """The argument checks of a save (local, before any collective; the same outcome on every rank).
+
+    Raises:
+        TypeError: a bad model, optimizer or ``extra``.
+        ValueError: ``pipeline`` holds batches read ahead.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     optimizer_state.check_optimizer(optimizer)
@@ -105,31 +131,40 @@ def save_checkpoint(
             "not trained; call pipeline.drain() first (it trains them), so that the checkpoint and the data position "
             "stand after the last batch read"
         )
-    modules = hash_modules(model)
-    final = os.path.abspath(os.fspath(path))
-    comm = Comm(host_group(modules), what=f"saving checkpoint {final!r}")
-    started = time.time()
-    tmp = begin_directory(final, comm, "checkpoint")
-    try:
-        state, local = comm.run(_collect, model, optimizer, modules, extra, comm.rank)
-        groups = comm.gather(local.pop("param_groups"))
-        if comm.rank == 0 and optimizer is not None:
-            merged: dict[str, dict[str, Any]] = {}
-            for g in groups:
-                merged.update(g)
-            state[optimizer_state.PARAM_GROUPS_KEY] = pickle.dumps(merged)
-        comm.run(storage.write, state, tmp, final, comm)
-        everyone = comm.gather(local)  # every rank has finished writing
-        names = comm.broadcast(comm.run(_list_files, tmp, comm.rank))
-        described = comm.run(files.describe, tmp, files.my_share(names, comm.rank, comm.world))
-        records = {name: record for part in comm.gather(described) for name, record in part.items()}
-        manifest = build_manifest(everyone, modules, comm.world, optimizer is not None, records)
-    except BaseException:
-        if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
-            discard_directory(tmp, comm)
-        raise
-    publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm, started=started)
-    return final
+
+
+def collect(
+    model: nn.Module,
+    optimizer: KeyedOptimizer | None,
+    modules: Mapping[str, HashModule],
+    extra: dict[str, Any] | None,
+    comm: Comm,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: this rank's DCP state dict (views of the live tensors) and what the manifest
+    needs of it; rank 0's holds every rank's parameter groups."""
+    state, local = comm.run(_collect, model, optimizer, modules, extra, comm.rank)
+    groups = comm.gather(local.pop("param_groups"))
+    if comm.rank == 0 and optimizer is not None:
+        merged: dict[str, dict[str, Any]] = {}
+        for g in groups:
+            merged.update(g)
+        state[optimizer_state.PARAM_GROUPS_KEY] = pickle.dumps(merged)
+    local["with_optimizer"] = optimizer is not None
+    return state, local
+
+
+def write(
+    state: dict[str, Any], local: dict[str, Any], modules: Mapping[str, HashModule], tmp: str, final: str, comm: Comm
+) -> dict[str, Any]:
+    """Collective: write ``state`` into ``tmp`` (DCP) and checksum the files; the manifest to
+    publish ``tmp`` with. Raises on every rank if any failed."""
+    with_optimizer = bool(local.pop("with_optimizer"))
+    comm.run(storage.write, state, tmp, final, comm)
+    everyone = comm.gather(local)  # every rank has finished writing
+    names = comm.broadcast(comm.run(_list_files, tmp, comm.rank))
+    described = comm.run(files.describe, tmp, files.my_share(names, comm.rank, comm.world))
+    records = {name: record for part in comm.gather(described) for name, record in part.items()}
+    return build_manifest(everyone, modules, comm.world, with_optimizer, records)
 
 
 def _list_files(tmp: str, rank: int) -> list[str]:
