@@ -23,6 +23,19 @@ each round measures, slowest rank counted:
 MB/s counts the bytes of the checkpointed tensors. One JSON line per measurement with the
 ratio to the baseline (target >= 0.5); medians over ``--rounds``.
 
+Then, checkpoints during training (``--train-steps`` steps through ``HybridTrainPipelineSparseDist``,
+a checkpoint every ``--checkpoint-every`` steps, ``pipeline.drain()`` before each), the three
+modes in a rotating order each round, slowest rank counted:
+
+- ``train_with_checkpoints``: samples/s with no checkpoint (the baseline), with
+  ``save_checkpoint`` (``sync``) and with ``AsyncCheckpointer`` (``async``, its last write
+  waited for after the timed steps), and their ratios to the baseline;
+  ``blocked_fraction``: the time an async save keeps the training thread (its snapshot, and
+  waiting for the previous write) over the time of a synchronous save (target <= 0.25);
+- ``resume``: seconds from the start of a resumed job's work (process and imports done) to the
+  end of its first step: build, ``load_checkpoint``, the first ``progress``; against a fresh job
+  (the same without the load).
+
     python benchmarks/checkpoint.py [--rows 262144] [--dim 64] [--tables 2] [--fill 0.8] [--rounds 3]
 """
 
@@ -34,10 +47,12 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _common import slowest_rank_seconds as _timed
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -47,10 +62,13 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recsdk.data import Batch, RandomRecDataset
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
+from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import (
     CHECKPOINT_MANIFEST,
+    AsyncCheckpointer,
     ShardedHashEmbeddingBagCollection,
     get_default_hybrid_sharders,
     load_checkpoint,
@@ -71,6 +89,14 @@ class Model(nn.Module):
             ],
             device=torch.device("meta"),
         )
+        self.head = nn.Linear(256 + tables * dim, 1)
+        self.features = [f"f{i}" for i in range(tables)]
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.ebc(batch.sparse_features).to_dict()
+        x = torch.cat([self.dense(batch.dense_features), *(pooled[f] for f in self.features)], dim=1)
+        logits = self.head(x).squeeze(-1)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
 
 
 def _build(args: argparse.Namespace, rows: int) -> tuple[DistributedModelParallel, CombinedOptimizer]:
@@ -223,6 +249,115 @@ def _one_rank(rank: int, world_size: int, args: argparse.Namespace, ckpt: str, p
     return {"times": times, "stored": stored}
 
 
+def _batches(args: argparse.Namespace, rank: int, world_size: int, seed: int) -> Any:
+    data = RandomRecDataset(
+        args.train_batch_size,
+        1 << 30,
+        [f"f{i}" for i in range(args.tables)],
+        4 * args.rows,
+        num_dense_features=16,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+    )
+    return iter(data)
+
+
+def _train_modes(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    """Per round, ``--train-steps`` steps with no checkpoint, synchronous ones and asynchronous ones."""
+    _threads(args)
+    model, optimizer = _build(args, args.rows)
+    batches = _batches(args, rank, world_size, seed=5)
+    checkpointer = AsyncCheckpointer(model, optimizer)
+    seconds: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    saves: dict[str, list[float]] = {"sync": [], "async": []}
+    cpu = torch.device("cpu")
+    with HybridTrainPipelineSparseDist(model, optimizer, cpu, pipe_n_batch=2) as pipeline:
+        for r in range(args.rounds):
+            modes = ["none", "sync", "async"]
+            for mode in modes[r % 3 :] + modes[: r % 3]:
+
+                def run(mode: str = mode, r: int = r) -> None:
+                    for step in range(1, args.train_steps + 1):
+                        checkpointer.check()
+                        pipeline.progress(batches)
+                        if mode != "none" and step % args.checkpoint_every == 0:
+                            pipeline.drain()  # counted as steps of the next ones: the same work
+                            path = os.path.join(root, f"train_{mode}_{r}_{step}")
+                            if mode == "sync":
+                                saves["sync"].append(_timed(lambda p=path: save_checkpoint(model, optimizer, p)))
+                            else:
+                                saves["async"].append(_timed(lambda p=path: checkpointer.save(p)))
+                    pipeline.drain()
+
+                seconds[mode].append(_timed(run))
+                checkpointer.wait()  # the last write ends before the next mode's timing
+                dist.barrier()
+                if rank == 0:
+                    for name in os.listdir(root):
+                        if name.startswith("train_"):
+                            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                dist.barrier()
+        checkpointer.close()
+        last = os.path.join(root, "resume_from")
+        save_checkpoint(model, optimizer, last)
+    return {"seconds": seconds, "saves": saves, "last": last}
+
+
+def _first_step(rank: int, world_size: int, args: argparse.Namespace, ckpt: str | None) -> float:
+    """Seconds from here (process started, imports done) to the end of the first step; resumed from ``ckpt``."""
+    start = time.perf_counter()
+    _threads(args)
+    model, optimizer = _build(args, args.rows)
+    if ckpt is not None:
+        load_checkpoint(model, optimizer, ckpt)
+    with HybridTrainPipelineSparseDist(model, optimizer, torch.device("cpu"), pipe_n_batch=2) as pipeline:
+        pipeline.progress(_batches(args, rank, world_size, seed=9))
+        elapsed = time.perf_counter() - start
+    slowest = torch.tensor([elapsed])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def _report_training(args: argparse.Namespace, root: str, setup: dict[str, Any]) -> None:
+    trained = run_distributed(_train_modes, 2, args, root, timeout_s=1800)[0]
+    samples = args.train_steps * args.train_batch_size * 2
+    none = statistics.median(trained["seconds"]["none"])
+    line: dict[str, Any] = {
+        "op": "train_with_checkpoints",
+        "steps": args.train_steps,
+        "checkpoint_every": args.checkpoint_every,
+        "batch_size_per_rank": args.train_batch_size,
+        "baseline": "no checkpoint",
+        "baseline_samples_per_s": round(samples / none),
+    }
+    for mode in ("sync", "async"):
+        t = statistics.median(trained["seconds"][mode])
+        line[f"{mode}_samples_per_s"] = round(samples / t)
+        line[f"{mode}_ratio"] = round(none / t, 3)
+    sync_save = statistics.median(trained["saves"]["sync"])
+    async_blocked = statistics.median(trained["saves"]["async"])
+    line.update(
+        sync_save_seconds=round(sync_save, 3),
+        async_blocked_seconds=round(async_blocked, 3),
+        blocked_fraction=round(async_blocked / sync_save, 3),
+        target_blocked_fraction=0.25,
+    )
+    print(json.dumps({**line, **setup}), flush=True)
+    fresh, resumed = [], []
+    for _ in range(args.rounds):
+        fresh.append(run_distributed(_first_step, 2, args, None, timeout_s=600)[0])
+        resumed.append(run_distributed(_first_step, 2, args, trained["last"], timeout_s=600)[0])
+    line = {
+        "op": "resume",
+        "first_step_seconds": round(statistics.median(resumed), 3),
+        "baseline": "a fresh job's first step",
+        "baseline_first_step_seconds": round(statistics.median(fresh), 3),
+        "load_seconds": round(statistics.median(resumed) - statistics.median(fresh), 3),
+    }
+    print(json.dumps({**line, **setup}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=262144, help="capacity of each table (all ranks together)")
@@ -233,6 +368,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--no-reshard", action="store_true", help="skip the one-rank load of the two-rank checkpoint")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--train-steps", type=int, default=60, help="steps per training mode (0: skip)")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints in training")
+    parser.add_argument("--train-batch-size", type=int, default=1024, help="samples per rank and step in training")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="recsdk-ckpt-bench-", dir=args.dir)
     try:
@@ -279,6 +417,8 @@ def main() -> None:
                 "ids_loaded": one["stored"],
             }
             print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **{**setup, "world_size": 1}}))
+        if args.train_steps:
+            _report_training(args, root, setup)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
