@@ -56,7 +56,13 @@ from recsdk.pipeline import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from recsdk.sharding import HostShardedModule, HybridEmbeddingShardingPlanner, Publisher, get_default_hybrid_sharders
+from recsdk.sharding import (
+    AsyncCheckpointer,
+    HostShardedModule,
+    HybridEmbeddingShardingPlanner,
+    Publisher,
+    get_default_hybrid_sharders,
+)
 
 EMBEDDING_OPTIMIZER = {"lr": 0.05, "eps": 0.1}  # fused Adagrad of the sparse tables (step 5)
 DENSE_LR = 0.05  # Adagrad of the dense layers (step 7)
@@ -269,6 +275,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
 
         # Resuming: the latest checkpoint of --checkpoint-dir, if it holds one (resume.py).
         state, rng = resume(ddp_model, optimizer, data.train, args.checkpoint_dir)
+        checkpointer = AsyncCheckpointer(ddp_model, optimizer) if args.checkpoint_dir else None
         if rank == 0 and state.resumed_from is not None:
             print(f"resumed from {state.resumed_from} (step {state.step})", flush=True)
 
@@ -284,7 +291,7 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
                 print_header(args, world_size, device, ddp_model)
             # 9. Training with the pipeline (and evaluating with it, in eval mode).
             history = train(
-                pipeline, ddp_model, optimizer, data, args, rank, world_size, host_gp, state, rng, publisher
+                pipeline, ddp_model, data, args, rank, world_size, host_gp, state, rng, publisher, checkpointer
             )
             history["host_staged"], history["inline"] = pipeline.host_staged_modules, pipeline.inline_modules
             history["host_thread"] = pipeline.host_thread
@@ -308,7 +315,6 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
 def train(
     pipeline: HybridTrainPipelineSparseDist,
     ddp_model: torch.nn.Module,
-    optimizer: CombinedOptimizer,
     data: DemoData,
     args: argparse.Namespace,
     rank: int,
@@ -317,6 +323,7 @@ def train(
     state: TrainingState,
     rng: torch.Tensor | None,
     publisher: Publisher | None = None,
+    checkpointer: AsyncCheckpointer | None = None,
 ) -> dict[str, Any]:
     """Step 9: ``pipeline.progress`` until ``args.steps`` steps are done (from ``state.step`` on),
     with an eval every ``args.eval_every`` steps and, with a ``publisher``, a version every
@@ -357,15 +364,20 @@ def train(
     with tqdm(total=args.steps, initial=state.step, desc="train", disable=rank != 0, dynamic_ncols=True) as bar:
         while state.step < args.steps:
             start = time.perf_counter()
+            if checkpointer is not None:
+                checkpointer.check()  # a failed background write raises here, on every rank
             loss, _, _ = pipeline.progress(batches)
             after_step(loss, time.perf_counter() - start)
-            due = args.checkpoint_dir is not None and state.step % args.checkpoint_every == 0
+            due = checkpointer is not None and state.step % args.checkpoint_every == 0
             if due and state.step + pipeline.batches_read_ahead <= args.steps:
                 start = time.perf_counter()
                 for loss, _, _ in pipeline.drain():  # train what was read ahead: nothing in flight
                     after_step(loss, time.perf_counter() - start)
                     start = time.perf_counter()
-                save(ddp_model, optimizer, pipeline, data.train, args.checkpoint_dir, state)
+                assert checkpointer is not None
+                save(checkpointer, pipeline, data.train, args.checkpoint_dir, state)
+        if checkpointer is not None:
+            checkpointer.close()  # the last write finishes before the run ends
     return {
         "losses": state.losses,
         "evals": state.evals,

@@ -1,8 +1,9 @@
 """Checkpoints of the little demo, and resuming from the latest one (``--checkpoint-dir``).
 
 Every ``--checkpoint-every`` steps the demo drains its pipeline (``pipeline.drain()`` trains the
-batches it has read ahead), then saves, on every rank, the model, the optimizer and what the
-training loop needs to go on exactly: the step, the losses and evaluations so far, this rank's
+batches it has read ahead), then saves in the background (``AsyncCheckpointer``: a snapshot on
+the training thread, the write on a thread of its own), on every rank, the model, the optimizer
+and what the training loop needs to go on exactly: the step, the losses and evaluations so far, this rank's
 data position (``StatefulDataLoader.state_dict()``, after the last batch trained) and its
 torch RNG state (re-initialised rows draw from it). A run started with a checkpoint directory
 that holds one resumes from its latest: under ``torchrun --max-restarts`` a group restarted
@@ -20,7 +21,7 @@ from torch import nn
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.pipeline import HybridTrainPipelineSparseDist
-from recsdk.sharding import latest_checkpoint, load_checkpoint, save_checkpoint
+from recsdk.sharding import AsyncCheckpointer, latest_checkpoint, load_checkpoint
 
 
 @dataclass
@@ -68,14 +69,14 @@ def resume(
 
 
 def save(
-    model: nn.Module,
-    optimizer: KeyedOptimizer,
+    checkpointer: AsyncCheckpointer,
     pipeline: HybridTrainPipelineSparseDist,
     train_data: Any,
     directory: str,
     state: TrainingState,
-) -> str:
-    """Save a checkpoint of a drained pipeline's training into ``directory/step_<step>``. Collective."""
+) -> None:
+    """Start the checkpoint of a drained pipeline's training into ``directory/step_<step>`` (written
+    in the background; the previous one is waited for first). Collective."""
     os.makedirs(directory, exist_ok=True)
     extra = {
         "step": state.step,
@@ -85,5 +86,4 @@ def save(
         "data": train_data.state_dict(),
         "rng": torch.get_rng_state(),
     }
-    path = os.path.join(directory, f"step_{state.step:08d}")
-    return save_checkpoint(model, optimizer, path, pipeline=pipeline, extra=extra)
+    checkpointer.save(os.path.join(directory, f"step_{state.step:08d}"), pipeline=pipeline, extra=extra)
