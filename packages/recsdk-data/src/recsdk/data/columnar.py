@@ -78,7 +78,14 @@ class ColumnarDataset(IterableDataset[Batch]):
     **Position.** :meth:`state_dict` gives the epoch and the number of batches this reader
     has yielded in it; :meth:`load_state_dict` makes the next iteration continue after them
     (the protocol of torchdata's ``StatefulDataLoader``). A state loads only into a reader
-    over the same dataset with the same batch size, shuffle, seed and shard.
+    over the same dataset with the same batch size, shuffle and seed.
+
+    **Elastic resume.** A state saved by one of ``N`` shards loads into a reader of ``M`` shards
+    (another world size): the ``N`` shards read their global batches in lockstep (as ranks
+    training together do; one DataLoader worker per rank), so together they read the first
+    ``base + N * batches_read`` global batches of the epoch's order, and the ``M`` new shards
+    split the rest round-robin. Across the restart every batch of the epoch is read exactly
+    once. (Any rank's state will do: ``load_checkpoint`` returns rank 0's on another world size.)
 
     Args:
         path (str | os.PathLike): the dataset folder (the converter's ``OUT``).
@@ -146,6 +153,7 @@ class ColumnarDataset(IterableDataset[Batch]):
         self.epoch = 0
         self._resume_at = 0  # batches of this shard's order to skip on the next iteration
         self._read = 0  # batches yielded (or skipped on resume) in the current epoch
+        self._base = 0  # global batches of the epoch's order read before this split (elastic resume)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickle (a DataLoader worker started by spawn) holds the arguments and the position, not the mappings.
@@ -154,12 +162,12 @@ class ColumnarDataset(IterableDataset[Batch]):
         """
         args = {"path": self.path, "batch_size": self.batch_size, "rank": self.rank, "world_size": self.world_size}
         args |= {"shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
-        return {"args": args, "epoch": self.epoch, "batches_read": self._read}
+        return {"args": args, "epoch": self.epoch, "batches_read": self._read, "base": self._base}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         args = dict(state["args"])
         self.__init__(args.pop("path"), args.pop("batch_size"), **args)  # type: ignore[misc]
-        self.epoch, self._resume_at = state["epoch"], state["batches_read"]
+        self.epoch, self._resume_at, self._base = state["epoch"], state["batches_read"], state["base"]
         self._read = self._resume_at
 
     def set_epoch(self, epoch: int) -> None:
@@ -170,7 +178,7 @@ class ColumnarDataset(IterableDataset[Batch]):
         """
         if check_int("epoch", epoch, minimum=0) != self.epoch:
             self.epoch = epoch
-            self._resume_at = self._read = 0
+            self._resume_at = self._read = self._base = 0
 
     @property
     def num_batches(self) -> int:
@@ -179,17 +187,17 @@ class ColumnarDataset(IterableDataset[Batch]):
         return full + (1 if rest and not self.drop_last else 0)
 
     def _order(self, shard: int, num_shards: int) -> npt.NDArray[np.int64]:
-        """The global batches this shard yields this epoch, in order."""
+        """The global batches this shard yields this epoch, in order (after those read before an elastic resume)."""
         order = np.arange(self.num_batches, dtype=np.int64)
         if self.shuffle:
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, self.epoch])))
             order = rng.permutation(order)
-        return order[shard::num_shards]
+        return order[self._base :][shard::num_shards]
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (all its DataLoader workers together)."""
         shard, num_shards = current_shard(self.rank, self.world_size)
-        return len(range(shard, self.num_batches, num_shards))
+        return len(range(shard, self.num_batches - self._base, num_shards))
 
     def __iter__(self) -> Iterator[Batch]:
         shard, num_shards = current_shard(self.rank, self.world_size)
@@ -268,15 +276,20 @@ class ColumnarDataset(IterableDataset[Batch]):
             "seed": self.seed,
             "shard": shard,
             "num_shards": num_shards,
+            "base": self._base,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had read.
 
+        A state of another shard count continues elastically (see the class): this reader
+        yields its share of the global batches the saving shards had not read.
+
         Raises:
             TypeError: ``state`` is not a dict.
             ValueError: a key is missing, or ``state`` is of a reader over another dataset,
-                batch size, shuffle, seed, or shard of the data (every difference named).
+                batch size, shuffle or seed, or of another shard of as many shards (every
+                difference named).
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from ColumnarDataset.state_dict(), got {type(state).__name__}")
@@ -284,14 +297,25 @@ class ColumnarDataset(IterableDataset[Batch]):
         if missing:
             raise ValueError(f"state is missing {missing}; expected a dict from ColumnarDataset.state_dict()")
         mine = self.state_dict()
+        elastic = state["num_shards"] != mine["num_shards"]
+        skipped = ("epoch", "batches_read", "shard", "num_shards") if elastic else ("epoch", "batches_read")
         differ = [
             f"{key} {state[key]!r} (this reader: {mine[key]!r})"
             for key in _STATE_KEYS
-            if key not in ("epoch", "batches_read") and state[key] != mine[key]
+            if key not in skipped and state[key] != mine[key]
         ]
         if differ:
             raise ValueError(f"state is of another reader: {', '.join(differ)}")
-        self.epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        base = check_int("state['base']", state.get("base", 0), minimum=0, maximum=self.num_batches)
+        num_shards = check_int("state['num_shards']", state["num_shards"], minimum=1)
+        if elastic:
+            # The saving shards read in lockstep: together, the first base + N * batches_read batches.
+            read = check_int("state['batches_read']", state["batches_read"], minimum=0)
+            self.epoch, self._resume_at, self._read = epoch, 0, 0
+            self._base = min(base + read * num_shards, self.num_batches)
+            return
+        self.epoch, self._base = epoch, base
         batches = len(self._order(mine["shard"], mine["num_shards"]))
         self._resume_at = check_int("state['batches_read']", state["batches_read"], minimum=0, maximum=batches)
         self._read = self._resume_at
