@@ -339,3 +339,34 @@ def test_writer_rejects_bad_arguments(tmp_path: Path) -> None:
     empty = write_synthetic_criteo(tmp_path / "empty.tsv", 0)
     assert list(CriteoDataset(empty, batch_size=4)) == []
     assert np.frombuffer(write_synthetic_criteo(tmp_path / "y.tsv", 1).read_bytes(), np.uint8)[-1] == ord("\n")
+
+
+def _row_keys(batches: list[Batch]) -> list[tuple[float, ...]]:
+    """Each row's dense values: identifies the row (synthetic lines are all different)."""
+    return sorted(tuple(row) for batch in batches for row in batch.dense_features.tolist())
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (3, 2)])
+def test_elastic_resume_reads_every_line_once(tmp_path: Path, before: int, after: int) -> None:
+    """Shards that read in lockstep, saved and resumed on another number of shards (over two
+    files): the new shards take the lines not read yet, and every line is read once."""
+    files = [write_synthetic_criteo(tmp_path / f"day_{i}.tsv", 700, seed=i) for i in range(2)]
+    everything = _row_keys(list(CriteoDataset(files, 50)))
+    readers = [CriteoDataset(files, 50, rank=r, world_size=before) for r in range(before)]
+    iterators = [iter(reader) for reader in readers]
+    read = [batch for it in iterators for batch in islice(it, 4)]  # 4 batches each, in lockstep
+    state = readers[0].state_dict()
+    resumed = [CriteoDataset(files, 50, rank=r, world_size=after) for r in range(after)]
+    for reader in resumed:
+        reader.load_state_dict(state)
+    rest = [batch for reader in resumed for batch in reader]
+    assert _row_keys(read + rest) == everything
+    assert all(len(list(reader)) > 0 for reader in resumed)  # the next epoch starts over
+    assert _row_keys([b for reader in resumed for b in reader]) == everything
+
+
+def test_elastic_resume_needs_the_file_order(tmp_path: Path) -> None:
+    path = write_synthetic_criteo(tmp_path / "day.tsv", 300, seed=1)
+    state = CriteoDataset(path, 50, rank=0, world_size=2, shuffle_buffer=100).state_dict()
+    with pytest.raises(ValueError, match=r"shuffle_buffer 100: an elastic resume needs the file order"):
+        CriteoDataset(path, 50, rank=0, world_size=1, shuffle_buffer=100).load_state_dict(state)

@@ -205,11 +205,15 @@ class CriteoDataset(IterableDataset[Batch]):
         self.block_size = check_int("block_size", block_size, minimum=1024)
         self.epoch = 0
         self.bad_lines = 0
+        self._first_line = 0  # data lines read before this split (an elastic resume): nobody's
         self._position = ReadPosition("CriteoDataset", self._position_identity)
 
     def set_epoch(self, epoch: int) -> None:
         """Use a different shuffle order for ``epoch`` (no effect without a shuffle buffer)."""
-        self.epoch = check_int("epoch", epoch, minimum=0)
+        epoch = check_int("epoch", epoch, minimum=0)
+        if epoch != self.epoch:
+            self._first_line = 0  # an elastic resume's split holds for its own epoch
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:
         return self._position.replay(self._batches())
@@ -218,24 +222,44 @@ class CriteoDataset(IterableDataset[Batch]):
         """This reader's position: the epoch and the batches of it yielded, with what they depend
         on (files, batch size, shuffle, this rank's and DataLoader worker's shard). torchdata's
         ``StatefulDataLoader`` convention."""
-        return {"epoch": self.epoch, **self._position.state_dict()}
+        return {"epoch": self.epoch, "first_line": self._first_line, **self._position.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
         yielded: the epoch's lines are parsed again up to there (the shuffle replays exactly), and
         the batches after them are yielded.
 
+        **Elastic resume.** A state of another shard count (another world size) continues with the
+        lines the saving shards had not read, dealt to the new shards: the saving shards read in
+        lockstep (ranks training together), ``batch_size`` lines a batch each, so together the
+        first ``first_line + num_shards * batches_read * batch_size`` lines of the data. Every
+        line is then read once across the restart. It needs the file order (``shuffle_buffer=0``)
+        and no bad line skipped before the save (a skipped line makes its shard read further).
+
         Raises:
             TypeError: ``state`` is not a dict.
             ValueError: ``state`` is of a reader over other files, batch size, shuffle or shard
-                (every difference named).
+                (every difference named); an elastic resume with a shuffle buffer.
         """
-        if isinstance(state, dict) and "epoch" in state:
-            epoch = check_int("state['epoch']", state["epoch"], minimum=0)
-            self._position.load_state_dict({k: v for k, v in state.items() if k != "epoch"})
-            self.epoch = epoch
-        else:
+        if not (isinstance(state, dict) and "epoch" in state):
             self._position.load_state_dict(state)  # raises, naming what is wrong
+            return
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        first_line = check_int("state['first_line']", state.get("first_line", 0), minimum=0)
+        position = {k: v for k, v in state.items() if k not in ("epoch", "first_line")}
+        if "num_shards" in position and position["num_shards"] != self._position_identity()["num_shards"]:
+            differ = self._position.differences(position, ignore=("shard", "num_shards"))
+            if self.shuffle_buffer:
+                differ.append(f"shuffle_buffer {self.shuffle_buffer}: an elastic resume needs the file order (0)")
+            if differ:
+                raise ValueError(f"state is of another CriteoDataset: {', '.join(differ)}")
+            read = check_int("state['batches_read']", position["batches_read"], minimum=0)
+            num_shards = check_int("state['num_shards']", position["num_shards"], minimum=1)
+            self._position.reset()
+            self.epoch, self._first_line = epoch, first_line + num_shards * read * self.batch_size
+            return
+        self._position.load_state_dict(position)
+        self.epoch, self._first_line = epoch, first_line
 
     def _position_identity(self) -> dict[str, Any]:
         shard, num_shards = current_shard(self.rank, self.world_size)
@@ -268,6 +292,7 @@ class CriteoDataset(IterableDataset[Batch]):
                 shard=shard,
                 num_shards=num_shards,
                 line_offset=line_offset,
+                first_line=self._first_line,
                 progress=progress,
             )
             for rows in blocks:
@@ -283,3 +308,4 @@ class CriteoDataset(IterableDataset[Batch]):
                 part = rest.take(slice(start, start + self.batch_size))
                 if len(part) == self.batch_size or not self.drop_last:
                     yield part.to_batch()
+        self._first_line = 0  # the epoch is read: the next one starts at its first line

@@ -72,12 +72,15 @@ def read_criteo_tsv(
     shard: int = 0,
     num_shards: int = 1,
     line_offset: int = 0,
+    first_line: int = 0,
     progress: dict[str, int] | None = None,
 ) -> Iterator[CriteoRows]:
     """One shard's valid rows of a TSV source, block by block.
 
-    Line ``L`` of the source (1-based) belongs to shard ``(L + line_offset - 1) % num_shards``;
-    every line is parsed into fields, only the shard's own are checked.
+    Line ``L`` of the source (1-based) is line ``g = L + line_offset - 1`` of the data (0-based);
+    the lines before ``first_line`` belong to no shard, and line ``g >= first_line`` to shard
+    ``(g - first_line) % num_shards``. Every line is parsed into fields, only the shard's own
+    are checked.
 
     Args:
         source (Path | pa.NativeFile): a file path (plain or compressed, e.g. ``.gz``) or an open stream.
@@ -87,6 +90,7 @@ def read_criteo_tsv(
         shard (int): this reader's shard.
         num_shards (int): shards the lines are dealt to.
         line_offset (int): lines before this source (of earlier files).
+        first_line (int): lines of the data already read (an elastic resume): nobody's.
         progress (dict[str, int] | None): when given, ``progress["lines"]`` is set to the
             source's line count once it is read to the end.
 
@@ -111,8 +115,8 @@ def read_criteo_tsv(
             if rows is not None:  # every line good
                 lines = np.arange(next_line, next_line + len(rows), dtype=np.int64)
                 next_line += len(rows)
-                if num_shards > 1:
-                    rows = rows.take(np.flatnonzero((lines + line_offset - 1) % num_shards == shard))
+                if num_shards > 1 or first_line:
+                    rows = rows.take(np.flatnonzero(_mine(lines, line_offset, first_line, shard, num_shards)))
                 yield rows
                 continue
             table = parser.strings(block)
@@ -129,11 +133,13 @@ def read_criteo_tsv(
                     "1 fields, expected 40" if alone else f"label {_BOM.decode() + label!r} is not 0 or 1"
                 )
             next_line += n + len(skips)
-            if num_shards > 1:
-                mine = ((lines + line_offset - 1) % num_shards) == shard
+            if num_shards > 1 or first_line:
+                mine = _mine(lines, line_offset, first_line, shard, num_shards)
                 table = table.take(pa.array(np.flatnonzero(mine)))
                 lines = lines[mine]
-                skips = [(s, why) for s, why in skips if (s + line_offset - 1) % num_shards == shard]
+                skipped = np.array([s for s, _ in skips], dtype=np.int64)
+                keep = _mine(skipped, line_offset, first_line, shard, num_shards)
+                skips = [skip for skip, k in zip(skips, keep.tolist(), strict=True) if k]
             rows, bad = parse_table(table)
             bad |= np.isin(lines, list(forced))
             bad_here = sorted([(int(line), forced.get(int(line), "")) for line in lines[bad]] + skips)  # this shard's
@@ -142,6 +148,14 @@ def read_criteo_tsv(
             yield rows.take(np.flatnonzero(~bad)) if bad.any() else rows
     if progress is not None:
         progress["lines"] = next_line - 1
+
+
+def _mine(
+    lines: npt.NDArray[np.int64], line_offset: int, first_line: int, shard: int, num_shards: int
+) -> npt.NDArray[np.bool_]:
+    """Which of the source's 1-based ``lines`` belong to ``shard`` (see :func:`read_criteo_tsv`)."""
+    data_lines = lines + (line_offset - 1 - first_line)
+    return (data_lines >= 0) & (data_lines % num_shards == shard)
 
 
 def _read_error(path: Path, lines_read: int, error: OSError) -> OSError:

@@ -50,6 +50,10 @@ class ReadPosition:
         self.batches_read = 0
         self._resume_at = 0
 
+    def reset(self) -> None:
+        """No batch yielded yet, nothing to skip (a reader that re-split its data, e.g. an elastic resume)."""
+        self.batches_read = self._resume_at = 0
+
     def start(self) -> int:
         """An epoch's iteration begins: the batches to skip (a loaded position, else 0)."""
         skip, self._resume_at = self._resume_at, 0
@@ -73,6 +77,15 @@ class ReadPosition:
         """``{"batches_read": n, **identity}``: the position after the batches yielded so far."""
         return {"batches_read": self.batches_read, **self._identity()}
 
+    def differences(self, state: dict[str, Any], ignore: tuple[str, ...] = ()) -> list[str]:
+        """What in ``state`` differs from this reader's identity (but ``ignore``), described."""
+        mine = self.state_dict()
+        return [
+            f"{key} {state[key]!r} (this reader: {mine[key]!r})"
+            for key in mine
+            if key != "batches_read" and key not in ignore and state[key] != mine[key]
+        ]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the next iteration after the batches ``state`` had yielded.
 
@@ -87,11 +100,7 @@ class ReadPosition:
         missing = [key for key in mine if key not in state]
         if missing:
             raise ValueError(f"state is missing {missing}; expected a dict from {self._reader}.state_dict()")
-        differ = [
-            f"{key} {state[key]!r} (this reader: {mine[key]!r})"
-            for key in mine
-            if key != "batches_read" and state[key] != mine[key]
-        ]
+        differ = self.differences(state)
         if differ:
             raise ValueError(f"state is of another {self._reader}: {', '.join(differ)}")
         self._resume_at = check_int("state['batches_read']", state["batches_read"], minimum=0)
