@@ -272,3 +272,27 @@ def test_bad_arguments_are_named(tmp_path: Path, kwargs: dict[str, object], erro
 def test_missing_file_fails_at_construction(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"missing\.parquet"):
         _numbered_ds([tmp_path / "missing.parquet"], 2)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 3)])
+def test_elastic_resume_by_row_reads_every_row_once(tmp_path: Path, before: int, after: int) -> None:
+    files = [_numbered(tmp_path / f"{i}.parquet", 500 * i, 500, row_group_size=70) for i in range(2)]
+    readers = [_numbered_ds(files, 25, rank=r, world_size=before, shard_by="row") for r in range(before)]
+    iterators = [iter(reader) for reader in readers]
+    read = [batch for it in iterators for batch in [next(it) for _ in range(6)]]  # 6 batches each, in lockstep
+    state = readers[0].state_dict()
+    resumed = [_numbered_ds(files, 25, rank=r, world_size=after, shard_by="row") for r in range(after)]
+    for reader in resumed:
+        reader.load_state_dict(state)
+    rest = [batch for reader in resumed for batch in reader]
+    assert sorted(_rows(read + rest)) == list(range(1000))
+    assert sorted(_rows([b for reader in resumed for b in reader])) == list(range(1000))  # next epoch: all
+
+
+def test_elastic_resume_needs_rows_dealt_one_by_one(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "a.parquet", 0, 200, row_group_size=20)
+    state = _numbered_ds([path], 10, rank=0, world_size=2).state_dict()
+    with pytest.raises(
+        ValueError, match=r"state of 2 shards for a reader of 1: an elastic resume needs shard_by='row'"
+    ):
+        _numbered_ds([path], 10, rank=0, world_size=1).load_state_dict(state)

@@ -196,6 +196,7 @@ class ParquetRecDataset(IterableDataset[Batch]):
         self.rank, self.world_size = rank, world_size
         self.drop_last = check_bool("drop_last", drop_last)
         self.shard_by = check_choice("shard_by", shard_by, SHARD_BY)
+        self._first_row = 0  # rows read before this split (an elastic resume): nobody's
         self._position = ReadPosition("ParquetRecDataset", self._position_identity)
         self._columns = list(
             dict.fromkeys([label_column, *self.dense_columns, *self.sparse_columns, *self.weight_columns.values()])
@@ -242,18 +243,46 @@ class ParquetRecDataset(IterableDataset[Batch]):
         """This reader's position: the batches yielded, with what they depend on (files, columns,
         batch size, this rank's and DataLoader worker's shard). torchdata's ``StatefulDataLoader``
         convention."""
-        return self._position.state_dict()
+        return {"first_row": self._first_row, **self._position.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
         yielded (the rows before them are read again and dropped).
 
+        **Elastic resume** (``shard_by="row"``): a state of another shard count (another world
+        size) continues with the rows the saving shards had not read, dealt to the new shards.
+        The saving shards read in lockstep, ``batch_size`` rows a batch each, so together the
+        first ``first_row + num_shards * batches_read * batch_size`` rows; every row is then read
+        once across the restart. Row groups dealt whole (``shard_by="row_group"``) leave no such
+        prefix, so a state of another shard count is refused there.
+
         Raises:
             TypeError: ``state`` is not a dict.
             ValueError: ``state`` is of a reader over other files, batch size or shard (every
-                difference named).
+                difference named); an elastic resume with ``shard_by="row_group"``.
         """
-        self._position.load_state_dict(state)
+        if not isinstance(state, dict) or "num_shards" not in state:
+            self._position.load_state_dict(state)  # raises, naming what is wrong
+            return
+        first_row = check_int("state['first_row']", state.get("first_row", 0), minimum=0)
+        position = {k: v for k, v in state.items() if k != "first_row"}
+        other_split = position["num_shards"] != self._position_identity()["num_shards"]
+        if other_split and self.shard_by == "row_group":
+            raise ValueError(
+                f"state of {position['num_shards']} shards for a reader of {self._position_identity()['num_shards']}: "
+                "an elastic resume needs shard_by='row' (row groups dealt whole leave no prefix of rows read)"
+            )
+        if other_split:
+            differ = self._position.differences(position, ignore=("shard", "num_shards"))
+            if differ:
+                raise ValueError(f"state is of another ParquetRecDataset: {', '.join(differ)}")
+            read = check_int("state['batches_read']", position["batches_read"], minimum=0)
+            num_shards = check_int("state['num_shards']", position["num_shards"], minimum=1)
+            self._position.reset()
+            self._first_row = first_row + num_shards * read * self.batch_size
+            return
+        self._position.load_state_dict(position)
+        self._first_row = first_row
 
     def _position_identity(self) -> dict[str, Any]:
         shard, num_shards = current_shard(self.rank, self.world_size)
@@ -284,6 +313,7 @@ class ParquetRecDataset(IterableDataset[Batch]):
             pending, pending_rows = ([rest], len(rest)) if len(rest) else ([], 0)
         if pending_rows and not self.drop_last:
             yield _Rows.concat(pending).to_batch(self.sparse_columns)
+        self._first_row = 0  # the epoch is read: the next one starts at its first row
 
     def _rows(self, shard: int, num_shards: int) -> Iterator[_Rows]:
         if self.shard_by == "row_group":
@@ -312,7 +342,8 @@ class ParquetRecDataset(IterableDataset[Batch]):
                 n = record_batch.num_rows
                 if row_shard is not None:
                     _, shard, num_shards = row_shard
-                    keep = np.flatnonzero((np.arange(row, row + n) % num_shards) == shard)
+                    data_rows = np.arange(row - self._first_row, row - self._first_row + n)
+                    keep = np.flatnonzero((data_rows >= 0) & (data_rows % num_shards == shard))
                     row += n
                     record_batch = record_batch.take(pa.array(keep))
                 if record_batch.num_rows:
