@@ -220,6 +220,7 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
             world_size=world_size,
         )
         self.batch_size, self.num_batches, self.history, self.rank = batch_size, num_batches, history, rank
+        self.world_size = world_size
         self.sample_seed = seed if sample_seed is None else sample_seed
         teacher = np.random.default_rng([seed, _TAG_TEACHER])
         self._user_salt, self._item_salt = teacher.integers(0, 2**64, size=2, dtype=np.uint64)
@@ -247,9 +248,12 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
         return self._position.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the batches ``state`` had yielded (a state of another dataset, rank or
-        worker raises ``ValueError`` naming each difference)."""
-        self._position.load_state_dict(state)
+        """Continue after the batches ``state`` had yielded (a state of another dataset, or of
+        another rank or worker of the same world size, raises ``ValueError`` naming each
+        difference). A state of another world size continues every new rank at the same batch
+        index, as ``RandomRecDataset`` does (an elastic resume)."""
+        elastic = isinstance(state, dict) and state.get("world_size", self.world_size) != self.world_size
+        self._position.load_state_dict(state, ignore=("rank", "world_size") if elastic else ())
 
     def _position_identity(self) -> dict[str, Any]:
         info = get_worker_info()
@@ -261,6 +265,7 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
             "seed": self.context.seed,
             "sample_seed": self.sample_seed,
             "rank": self.rank,
+            "world_size": self.world_size,
             "worker": worker,
             "num_workers": num_workers,
         }

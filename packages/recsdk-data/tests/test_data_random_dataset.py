@@ -204,3 +204,23 @@ def test_alpha_one_and_huge_id_ranges_work() -> None:
     batch = ds.make_batch(0)
     assert ds.probabilities(batch).shape == (256,)
     assert np.unique(batch.sparse_features.values().numpy()).size > 10
+
+
+def test_elastic_resume_continues_every_new_rank_at_the_same_batch() -> None:
+    def reader(rank: int, world_size: int) -> RandomRecDataset:
+        return RandomRecDataset(8, 10, ["a", "b"], 1000, seed=1, rank=rank, world_size=world_size)
+
+    old = reader(0, 2)
+    it = iter(old)
+    for _ in range(4):
+        next(it)
+    state = old.state_dict()
+    for rank in range(3):  # 2 ranks -> 3: each new rank starts at batch 4 of its own stream
+        new = reader(rank, 3)
+        new.load_state_dict(state)
+        got = list(new)
+        expected = list(reader(rank, 3))[4:]
+        assert len(got) == len(expected) == 6
+        assert all(torch.equal(a.dense_features, b.dense_features) for a, b in zip(got, expected, strict=True))
+    with pytest.raises(ValueError, match=r"rank 0 \(this reader: 1\)"):  # same world size: its own rank's
+        reader(1, 2).load_state_dict(state)

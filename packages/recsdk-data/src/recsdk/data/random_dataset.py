@@ -177,11 +177,19 @@ class RandomRecDataset(IterableDataset[Batch]):
         """Continue the next iteration after the batches ``state`` (from :meth:`state_dict`) had
         yielded.
 
+        **Elastic resume.** A state saved on another world size (any of its ranks': ranks
+        read in lockstep) continues every new rank at the same batch index: no rank is given a
+        batch it had before, as batch ``b`` of rank ``r`` is drawn from ``(sample_seed, b, r)``;
+        the batches a departed rank would have drawn next are never drawn.
+
         Raises:
             TypeError: ``state`` is not a dict.
-            ValueError: ``state`` is of another dataset, rank or worker (every difference named).
+            ValueError: ``state`` is of another dataset, or of another rank or DataLoader worker
+                of the same world size (every difference named).
         """
-        self._position.load_state_dict(state)
+        _, world_size = resolve_rank_and_world_size(self.rank, self.world_size)
+        elastic = isinstance(state, dict) and state.get("world_size", world_size) != world_size
+        self._position.load_state_dict(state, ignore=("rank", "world_size") if elastic else ())
 
     def _position_identity(self) -> dict[str, Any]:
         rank, world_size = resolve_rank_and_world_size(self.rank, self.world_size)

@@ -86,8 +86,9 @@ class ReadPosition:
             if key != "batches_read" and key not in ignore and state[key] != mine[key]
         ]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the next iteration after the batches ``state`` had yielded.
+    def load_state_dict(self, state: dict[str, Any], ignore: tuple[str, ...] = ()) -> None:
+        """Continue the next iteration after the batches ``state`` had yielded (``ignore``: keys
+        of the identity that may differ).
 
         Raises:
             TypeError: ``state`` is not a dict.
@@ -100,7 +101,7 @@ class ReadPosition:
         missing = [key for key in mine if key not in state]
         if missing:
             raise ValueError(f"state is missing {missing}; expected a dict from {self._reader}.state_dict()")
-        differ = self.differences(state)
+        differ = self.differences(state, ignore)
         if differ:
             raise ValueError(f"state is of another {self._reader}: {', '.join(differ)}")
         self._resume_at = check_int("state['batches_read']", state["batches_read"], minimum=0)
