@@ -16,23 +16,21 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 from torchrec.distributed.model_parallel import ShardedModule
-from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.types import NoWait
 
 from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase, device_groups
 from recsdk.pipeline.batch_agreements import BatchAgreements
 from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
+from recsdk.pipeline.host_stages import HostResult, HostStages, Lane, Step
 from recsdk.pipeline.host_worker import HostWorker
 from recsdk.sharding import HostShardedModule, refuse_inputs
 
@@ -42,38 +40,6 @@ logger = logging.getLogger(__name__)
 
 MAX_PIPE_N_BATCH = 12
 HOST_THREAD_NAME = "recsdk-host-stage"
-
-# name -> (module context, input of compute_and_output_dist) for the host-staged modules
-_HostResult = dict[str, tuple[Any, Any]]
-
-
-@dataclass
-class _Step:
-    """One batch in flight: read from the iterator, its host stage queued or done.
-
-    For a batch the iterator raised on (here), either ``batch`` is ``None`` and ``read_agreed``
-    fails with that exception (the batch is never computed), or, where the failure travels with
-    the batch's ids, ``read_error`` is that exception and ``batch`` the last batch read: a
-    stand-in whose input dists refuse it (:func:`~recsdk.sharding.refuse_inputs`).
-    """
-
-    batch: Any
-    context: TrainPipelineContext
-    # Done once every rank knows whether its read of this batch succeeded (None: nothing to agree).
-    read_agreed: Future[None] | None = None
-    host_future: Future[_HostResult] | None = None
-    inline_started: bool = False
-    read_error: Exception | None = None
-
-
-@dataclass
-class _Lane:
-    """The batches of one mode (train or eval), in order, and the iterator they come from."""
-
-    steps: deque[_Step] = field(default_factory=deque)
-    iterator: Iterator[Any] | None = None
-    exhausted: bool = False
-    train_steps_seen: int = 0
 
 
 def _model_device(model: torch.nn.Module) -> torch.device | None:
@@ -106,7 +72,7 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
-class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
+class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out]):
     """Train (and eval) pipeline that overlaps the host id work with device compute.
 
     A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
@@ -237,7 +203,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         # The host stage and the lookups share the CPU when the device is the CPU: a thread
         # only takes turns with the calling one, and TorchRec's schedule is faster there.
         self._host_thread = device.type != "cpu" if host_thread is None else host_thread
-        self._lanes: dict[bool, _Lane] = {True: _Lane(), False: _Lane()}
+        self._lanes: dict[bool, Lane] = {True: Lane(), False: Lane()}
         self._active_mode: bool | None = None
         self._train_steps = 0
         self._host_modules: list[ShardedModule] = []
@@ -361,7 +327,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if not self._tr_attached:
             self.attach(self._tr_model)
 
-    def _advance(self, lane: _Lane, training: bool, dataloader_iter: Iterator[In] | None) -> Any:
+    def _advance(self, lane: Lane, training: bool, dataloader_iter: Iterator[In] | None) -> Any:
         """Compute the lane's next batch, reading ahead from ``dataloader_iter`` first (None: no read)."""
         # The previous batch's backward is done: release its rows now, on this thread and before
         # any host stage is submitted, so which rows a host stage may evict never depends on
@@ -476,22 +442,15 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         for lane in self._lanes.values():
             for step in lane.steps:
                 self._release(step.host_future)
-        self._lanes = {True: _Lane(), False: _Lane()}
+        self._lanes = {True: Lane(), False: Lane()}
 
-    def _release(self, future: Future[_HostResult] | None) -> None:
+    def _release(self, future: Future[HostResult] | None) -> None:
         """Let each module drop what it holds for a batch that will not be computed."""
         if future is None or not future.done() or future.exception() is not None:
             return
         self._release_result(future.result())
 
-    def _release_result(self, result: _HostResult) -> None:
-        """``release_context`` for every module a host stage mapped (its batch will not compute)."""
-        for module in self._host_modules:
-            entry = result.get(self._name_of(module))
-            if entry is not None:
-                cast(HostStagedModule, module).release_context(entry[0])
-
-    def _enter_mode(self, training: bool) -> _Lane:
+    def _enter_mode(self, training: bool) -> Lane:
         lane = self._lanes[training]
         if self._active_mode is not None and self._active_mode != training and not training:
             if lane.train_steps_seen != self._train_steps:
@@ -505,7 +464,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         self._active_mode = training
         return lane
 
-    def _fill(self, lane: _Lane, dataloader_iter: Iterator[In]) -> None:
+    def _fill(self, lane: Lane, dataloader_iter: Iterator[In]) -> None:
         """Read batches until ``pipe_n_batch`` are ahead of the one to compute; start their host stages.
 
         A batch the iterator raises on is a failed host stage of that batch (see
@@ -530,7 +489,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 lane.exhausted = True
                 break
             self._last_batch = batch
-            step = _Step(batch=batch, context=self._tr_new_context())
+            step = Step(batch=batch, context=self._tr_new_context())
             lane.steps.append(step)
             if not self._tr_pipelined_modules:
                 self._agree_on_read_here(step.context.index, None)
@@ -540,52 +499,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
             raise StopIteration
 
-    def _read_failed(self, lane: _Lane, error: Exception) -> None:
-        """The iterator raised instead of yielding the next batch: fail that batch on every rank.
-
-        The batches read before it compute as usual, and the :meth:`progress` that would
-        compute it raises ``error`` here and a :class:`~recsdk.sharding.PeerFailureError` on the
-        other ranks. Once the model holds recsdk's sharded hash modules, the failure travels
-        with the batch: its step's input dists send a stand-in they refuse with ``error`` (the
-        last batch read, under :func:`~recsdk.sharding.refuse_inputs`), and its host stage's
-        failure agreement raises on every rank (the modules' own in the forward without the
-        host thread; the pipeline's on the host thread, :class:`HostStageError` elsewhere).
-        Otherwise its place is kept by a batch-less step whose read agreement raises ``error``
-        (:class:`HostStageError` on the other ranks).
-        """
-        self._read_error = error
-        context = self._tr_new_context()
-        if self._reads_carried and self._last_batch is not None:
-            step = _Step(batch=self._last_batch, context=context, read_error=error)
-            lane.steps.append(step)
-            self._submit_host_stage(step, agree_on_read=False)
-            return
-        if not self._tr_pipelined_modules:
-            # Not rewritten yet (the first batch, or no sharded module): no host thread to agree
-            # on; agree here, which raises on every rank in this call.
-            self._agree_on_read_here(context.index, error)
-        step = _Step(batch=None, context=context, inline_started=True)
-        lane.steps.append(step)
-        assert self._agreements is not None
-        if self._agreements.reads_need_agreeing:
-            step.read_agreed = self._start_read_agreement(context.index, error)
-        else:
-            step.read_agreed = Future()
-            step.read_agreed.set_exception(error)
-
-    def _agree_on_read_here(self, index: int | None, error: Exception | None) -> None:
-        """The read agreement on the calling thread (before the model is rewritten); a failure
-        stops the pipeline. Afterwards, for a model without hash modules, it runs ahead of each
-        batch's host stage, so that no rank issues a collective for a batch another rank does
-        not have."""
-        assert self._agreements is not None
-        try:
-            self._agreements.read(index, error)
-        except BaseException as e:
-            self._failure = e
-            raise
-
-    def _bootstrap(self, step: _Step) -> None:
+    def _bootstrap(self, step: Step) -> None:
         """First batch: rewrite the model and run its whole input dist here, inline."""
         context = step.context
         self._tr_rewrite(step.batch, context)
@@ -598,9 +512,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         host_names = [self._name_of(m) for m in self._host_modules]
         module_contexts = {n: context.module_contexts.pop(n) for n in host_names}
         requests = {n: context.input_dist_tensors_requests.pop(n) for n in host_names}
-        done: Future[_HostResult] = Future()
+        done: Future[HostResult] = Future()
         try:
-            result: _HostResult = {}
+            result: HostResult = {}
             error: BaseException | None = None
             try:
                 result = self._map_ids(module_contexts, requests)
@@ -643,7 +557,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         # raise on every rank: no read agreement per batch then.
         self._reads_carried = any(isinstance(m, HostShardedModule) for m in self._tr_pipelined_modules)
 
-    def _start_inline(self, step: _Step) -> None:
+    def _start_inline(self, step: Step) -> None:
         # Settled before the batch's first collective, also for a batch this rank could not
         # read (it issues none): its peers may be in that agreement's message exchange.
         self._settle_read(step)
@@ -657,7 +571,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         with self._tr_data_dist_scope(), refuse_inputs(step.read_error):
             self._tr_start_data_dist(self._inline_modules, step.batch, step.context)
 
-    def _refused(self, step: _Step) -> bool:
+    def _refused(self, step: Step) -> bool:
         """Whether some rank refused the step's batch in a hash module's input dist (its input
         check, or a failed read's stand-in): the same answer on every rank once the batch's
         splits are waited for; its forward then raises on every rank."""
@@ -668,12 +582,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                     return True
         return False
 
-    def _wait_inline(self, step: _Step) -> None:
+    def _wait_inline(self, step: Step) -> None:
         if step.context.fused_splits_awaitables:
             with self._tr_data_dist_scope():
                 self.wait_sparse_data_dist(step.context)
 
-    def _finish_host_stage(self, step: _Step) -> None:
+    def _finish_host_stage(self, step: Step) -> None:
         self._settle_read(step)
         agreed, step.read_agreed = step.read_agreed, None
         future, step.host_future = step.host_future, None
@@ -689,12 +603,6 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         for name, (module_context, kjts) in result.items():
             step.context.module_contexts[name] = module_context
             step.context.input_dist_tensors_requests[name] = NoWait(kjts)
-
-    def _settle_read(self, step: _Step) -> None:
-        """Settle the step's asynchronous read agreement (no host thread) if still pending."""
-        if step.read_agreed is not None and not step.read_agreed.done() and not self._host_thread:
-            assert self._agreements is not None
-            self._agreements.settle_reads()
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         result = self._tr_model(batch)
@@ -712,72 +620,3 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         pending, self._pending = self._pending, []
         if pending:
             wait_futures(pending)
-
-    def _settle_all_reads(self) -> None:
-        """No read agreement left running (before batches are dropped, or at close)."""
-        if self._agreements is not None:
-            self._agreements.settle_reads()
-
-    # ---- the host thread ----------------------------------------------------------------
-
-    def _submit_host_stage(self, step: _Step, agree_on_read: bool) -> None:
-        """Queue the batch's read agreement (``agree_on_read``, with several ranks) and host stage."""
-        index = step.context.index
-        assert self._agreements is not None
-        if agree_on_read and self._agreements.reads_need_agreeing and not self._reads_carried:
-            step.read_agreed = self._start_read_agreement(index, None)
-        step.host_future = None
-        if self._host_modules:
-            step.host_future = self._worker.submit(self._host_stage, step.batch, index, step.read_error)
-            self._pending.append(step.host_future)
-
-    def _start_read_agreement(self, index: int | None, error: Exception | None) -> Future[None]:
-        """The batch's read agreement: queued on the host thread ahead of its host stage, or
-        (no host thread) started here and settled before the batch's first collective."""
-        assert self._agreements is not None
-        if not self._host_thread:
-            return self._agreements.start_read(index, error)
-        agreed = self._worker.submit(self._agreements.read, index, error)
-        self._pending.append(agreed)
-        return agreed
-
-    def _host_stage(self, batch: Any, index: int | None, refused: Exception | None = None) -> _HostResult:
-        """Input dist of the host-staged modules, then ``post_input_dist``, then the agreement
-        (``refused``: the batch is a failed read's stand-in, refused with that error)."""
-        result: _HostResult = {}
-        error: BaseException | None = None
-        try:
-            context = self._tr_host_context(index)
-            with self._tr_data_dist_scope(), refuse_inputs(refused):
-                self._tr_start_data_dist(self._host_modules, batch, context)
-                self.wait_sparse_data_dist(context)
-                result = self._map_ids(context.module_contexts, context.input_dist_tensors_requests)
-        except BaseException as e:
-            error = e
-        self._agree_on_host_stage(index, error, result)
-        return result
-
-    def _agree_on_host_stage(self, index: int | None, error: BaseException | None, result: _HostResult) -> None:
-        """The host stage's agreement; a batch that fails anywhere gives back the rows it holds."""
-        assert self._agreements is not None
-        try:
-            self._agreements.host_stage(index, error)
-        except BaseException:
-            self._release_result(result)
-            raise
-
-    def _map_ids(self, module_contexts: dict[str, Any], requests: dict[str, Any]) -> _HostResult:
-        """Receive each host-staged module's ids and run its ``post_input_dist``."""
-        result: _HostResult = {}
-        try:
-            for module in self._host_modules:
-                name = self._name_of(module)
-                module_context, kjts = module_contexts[name], requests[name].wait()
-                result[name] = (module_context, cast(HostStagedModule, module).post_input_dist(module_context, kjts))
-        except BaseException:
-            self._release_result(result)  # the modules mapped before the one that failed
-            raise
-        return result
-
-    def _name_of(self, module: ShardedModule) -> str:
-        return self._names.get(id(module), type(module).__name__)
