@@ -4,20 +4,18 @@ id, the readers split the batches not trained yet, and every batch is trained ex
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from pipeline_models import shard
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner import ParameterConstraints
 
 from recsdk.data import CRITEO_SPARSE_FEATURES, Batch, ColumnarDataset, convert_criteo, write_synthetic_criteo
 from recsdk.data.testing import run_distributed
@@ -25,13 +23,9 @@ from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig,
 from recsdk.pipeline import (
     CombinedOptimizer,
     HybridTrainPipelineSparseDist,
-    KeyedOptimizerWrapper,
     apply_optimizer_in_backward,
-    in_backward_optimizer_filter,
 )
 from recsdk.sharding import (
-    HybridEmbeddingEnumerator,
-    get_default_hybrid_sharders,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -80,22 +74,8 @@ def _build() -> tuple[DistributedModelParallel, CombinedOptimizer]:
     torch.manual_seed(0)
     model = CriteoNN()
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05})
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    host = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
-    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size=world_size, rank=rank, pg=host))
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(2)}
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=constraints,
-        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=BATCH, constraints=constraints),
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.Adagrad(p, lr=0.05)
-    )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return shard(model, constraints, lambda params: torch.optim.Adagrad(params, lr=0.05), host_timeout_s=60)
 
 
 def _phase(rank: int, world_size: int, data: str, root: str, steps: int | None) -> dict[str, Any]:
