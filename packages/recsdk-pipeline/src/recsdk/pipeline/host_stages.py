@@ -4,23 +4,29 @@ Per batch, what runs on (or for) the pipeline's :class:`~recsdk.pipeline.HostWor
 batch's read agreement and its host stage (the host-staged modules' input dists, then their
 ``post_input_dist`` id mapping), queued in batch order; the failure agreements that make a
 failed read or host stage raise on every rank; and giving back what the modules hold for a
-batch that will not compute. A mixin of the pipeline: it reads the pipeline's own state;
+batch that will not compute; and at the first batch, rewriting the model and choosing which
+modules are host-staged (the rest keep TorchRec's schedule on the calling thread). A mixin of
+the pipeline: it reads the pipeline's own state;
 nothing outside the pipeline does. Also the in-flight records both share (``Step``, ``Lane``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
+import torch.distributed as dist
 from torchrec.distributed.model_parallel import ShardedModule
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 
-from recsdk.pipeline.host_staged import HostStagedModule
-from recsdk.sharding import refuse_inputs
+from recsdk.pipeline._torchrec_compat import device_groups
+from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
+from recsdk.sharding import HostShardedModule, refuse_inputs
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -29,6 +35,8 @@ if TYPE_CHECKING:
     from recsdk.pipeline.host_worker import HostWorker
 
 __all__ = ["HostResult", "HostStages", "Lane", "Step"]
+
+logger = logging.getLogger("recsdk.pipeline.train_pipeline")  # its warnings read as the pipeline's
 
 # name -> (module context, input of compute_and_output_dist) for the host-staged modules
 HostResult = dict[str, tuple[Any, Any]]
@@ -77,6 +85,8 @@ class HostStages:
         _last_batch: Any
         _failure: BaseException | None
         _names: dict[int, str]
+        _inline_modules: list[ShardedModule]
+        _tr_model: torch.nn.Module
 
         @property
         def _tr_pipelined_modules(self) -> list[ShardedModule]: ...
@@ -87,6 +97,8 @@ class HostStages:
             self, modules: list[ShardedModule], batch: Any, context: TrainPipelineContext
         ) -> None: ...
         def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None: ...
+        def _tr_rewrite(self, batch: Any, context: TrainPipelineContext) -> None: ...
+        def _tr_override_input_dist_forwards(self) -> None: ...
 
     def _read_failed(self, lane: Lane, error: Exception) -> None:
         """The iterator raised instead of yielding the next batch: fail that batch on every rank.
@@ -212,3 +224,61 @@ class HostStages:
 
     def _name_of(self, module: ShardedModule) -> str:
         return self._names.get(id(module), type(module).__name__)
+
+    def _bootstrap(self, step: Step) -> None:
+        """First batch: rewrite the model and run its whole input dist here, inline."""
+        context = step.context
+        self._tr_rewrite(step.batch, context)
+        with self._tr_data_dist_scope():
+            self._tr_start_data_dist(self._tr_pipelined_modules, step.batch, context)
+            self.wait_sparse_data_dist(context)
+        # The input dists exist now: swap in TorchRec's fused-splits forwards.
+        self._tr_override_input_dist_forwards()
+        self._classify_modules()
+        host_names = [self._name_of(m) for m in self._host_modules]
+        module_contexts = {n: context.module_contexts.pop(n) for n in host_names}
+        requests = {n: context.input_dist_tensors_requests.pop(n) for n in host_names}
+        done: Future[HostResult] = Future()
+        try:
+            result: HostResult = {}
+            error: BaseException | None = None
+            try:
+                result = self._map_ids(module_contexts, requests)
+            except BaseException as e:
+                error = e
+            assert self._agreements is not None
+            self._agree_on_host_stage(context.index, error, result)
+            done.set_result(result)
+        except BaseException as e:
+            done.set_exception(e)
+        step.host_future = done if host_names else None
+        step.inline_started = True
+
+    def _classify_modules(self) -> None:
+        """Host-stage a module iff it is a :class:`HostStagedModule` whose groups carry no device traffic."""
+        device_pgs = device_groups(self._tr_model)
+        self._host_modules, self._inline_modules = [], []
+        host_pgs: list[dist.ProcessGroup] = []
+        self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._tr_pipelined_modules}
+        for module in self._tr_pipelined_modules:
+            if self._host_thread and is_host_staged(module, device_pgs):
+                self._host_modules.append(module)
+                for pg in cast(HostStagedModule, module).host_input_groups():
+                    if all(pg is not p for p in host_pgs):
+                        host_pgs.append(pg)
+            else:
+                self._inline_modules.append(module)
+                if self._host_thread and isinstance(module, HostStagedModule):
+                    logger.warning(
+                        "%s: its input dist uses a device process group, so its host stage runs inline "
+                        "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
+                        self._name_of(module),
+                    )
+        assert self._agreements is not None
+        if not self._agreements.has_host_groups:
+            # Every rank bootstraps at its first progress(), so all create these groups together.
+            self._agreements.add_host_groups(host_pgs)
+        # A recsdk hash module's input dist can refuse a batch whose read failed, and the failure
+        # agreement of its host stage (the module's inline, the pipeline's on the host thread)
+        # raise on every rank: no read agreement per batch then.
+        self._reads_carried = any(isinstance(m, HostShardedModule) for m in self._tr_pipelined_modules)

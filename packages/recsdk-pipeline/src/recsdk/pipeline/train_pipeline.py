@@ -22,14 +22,13 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 from torchrec.distributed.model_parallel import ShardedModule
 from torchrec.distributed.types import NoWait
 
-from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase, device_groups
+from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase
 from recsdk.pipeline.batch_agreements import BatchAgreements
-from recsdk.pipeline.host_staged import HostStagedModule, is_host_staged
+from recsdk.pipeline.host_staged import HostStagedModule
 from recsdk.pipeline.host_stages import HostResult, HostStages, Lane, Step
 from recsdk.pipeline.host_worker import HostWorker
 from recsdk.sharding import HostShardedModule, refuse_inputs
@@ -498,64 +497,6 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
                 self._submit_host_stage(step, agree_on_read=True)
         if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
             raise StopIteration
-
-    def _bootstrap(self, step: Step) -> None:
-        """First batch: rewrite the model and run its whole input dist here, inline."""
-        context = step.context
-        self._tr_rewrite(step.batch, context)
-        with self._tr_data_dist_scope():
-            self._tr_start_data_dist(self._tr_pipelined_modules, step.batch, context)
-            self.wait_sparse_data_dist(context)
-        # The input dists exist now: swap in TorchRec's fused-splits forwards.
-        self._tr_override_input_dist_forwards()
-        self._classify_modules()
-        host_names = [self._name_of(m) for m in self._host_modules]
-        module_contexts = {n: context.module_contexts.pop(n) for n in host_names}
-        requests = {n: context.input_dist_tensors_requests.pop(n) for n in host_names}
-        done: Future[HostResult] = Future()
-        try:
-            result: HostResult = {}
-            error: BaseException | None = None
-            try:
-                result = self._map_ids(module_contexts, requests)
-            except BaseException as e:
-                error = e
-            assert self._agreements is not None
-            self._agree_on_host_stage(context.index, error, result)
-            done.set_result(result)
-        except BaseException as e:
-            done.set_exception(e)
-        step.host_future = done if host_names else None
-        step.inline_started = True
-
-    def _classify_modules(self) -> None:
-        """Host-stage a module iff it is a :class:`HostStagedModule` whose groups carry no device traffic."""
-        device_pgs = device_groups(self._tr_model)
-        self._host_modules, self._inline_modules = [], []
-        host_pgs: list[dist.ProcessGroup] = []
-        self._names = {id(m): str(getattr(m.forward, "name", type(m).__name__)) for m in self._tr_pipelined_modules}
-        for module in self._tr_pipelined_modules:
-            if self._host_thread and is_host_staged(module, device_pgs):
-                self._host_modules.append(module)
-                for pg in cast(HostStagedModule, module).host_input_groups():
-                    if all(pg is not p for p in host_pgs):
-                        host_pgs.append(pg)
-            else:
-                self._inline_modules.append(module)
-                if self._host_thread and isinstance(module, HostStagedModule):
-                    logger.warning(
-                        "%s: its input dist uses a device process group, so its host stage runs inline "
-                        "on the calling thread; give its sharder a separate gloo group (host_env) to overlap it",
-                        self._name_of(module),
-                    )
-        assert self._agreements is not None
-        if not self._agreements.has_host_groups:
-            # Every rank bootstraps at its first progress(), so all create these groups together.
-            self._agreements.add_host_groups(host_pgs)
-        # A recsdk hash module's input dist can refuse a batch whose read failed, and the failure
-        # agreement of its host stage (the module's inline, the pipeline's on the host thread)
-        # raise on every rank: no read agreement per batch then.
-        self._reads_carried = any(isinstance(m, HostShardedModule) for m in self._tr_pipelined_modules)
 
     def _start_inline(self, step: Step) -> None:
         # Settled before the batch's first collective, also for a batch this rank could not
