@@ -247,16 +247,12 @@ class CriteoDataset(IterableDataset[Batch]):
         epoch = check_int("state['epoch']", state["epoch"], minimum=0)
         first_line = check_int("state['first_line']", state.get("first_line", 0), minimum=0)
         position = {k: v for k, v in state.items() if k not in ("epoch", "first_line")}
-        if "num_shards" in position and position["num_shards"] != self._position_identity()["num_shards"]:
-            differ = self._position.differences(position, ignore=("shard", "num_shards"))
+        if self._position.is_resharded(position):
+            problems = []
             if self.shuffle_buffer:
-                differ.append(f"shuffle_buffer {self.shuffle_buffer}: an elastic resume needs the file order (0)")
-            if differ:
-                raise ValueError(f"state is of another CriteoDataset: {', '.join(differ)}")
-            read = check_int("state['batches_read']", position["batches_read"], minimum=0)
-            num_shards = check_int("state['num_shards']", position["num_shards"], minimum=1)
-            self._position.reset()
-            self.epoch, self._first_line = epoch, first_line + num_shards * read * self.batch_size
+                problems.append(f"shuffle_buffer {self.shuffle_buffer}: an elastic resume needs the file order (0)")
+            batches = self._position.load_resharded(position, problems)
+            self.epoch, self._first_line = epoch, first_line + batches * self.batch_size
             return
         self._position.load_state_dict(position)
         self.epoch, self._first_line = epoch, first_line

@@ -266,20 +266,14 @@ class ParquetRecDataset(IterableDataset[Batch]):
             return
         first_row = check_int("state['first_row']", state.get("first_row", 0), minimum=0)
         position = {k: v for k, v in state.items() if k != "first_row"}
-        other_split = position["num_shards"] != self._position_identity()["num_shards"]
+        other_split = self._position.is_resharded(position)
         if other_split and self.shard_by == "row_group":
             raise ValueError(
                 f"state of {position['num_shards']} shards for a reader of {self._position_identity()['num_shards']}: "
                 "an elastic resume needs shard_by='row' (row groups dealt whole leave no prefix of rows read)"
             )
         if other_split:
-            differ = self._position.differences(position, ignore=("shard", "num_shards"))
-            if differ:
-                raise ValueError(f"state is of another ParquetRecDataset: {', '.join(differ)}")
-            read = check_int("state['batches_read']", position["batches_read"], minimum=0)
-            num_shards = check_int("state['num_shards']", position["num_shards"], minimum=1)
-            self._position.reset()
-            self._first_row = first_row + num_shards * read * self.batch_size
+            self._first_row = first_row + self._position.load_resharded(position) * self.batch_size
             return
         self._position.load_state_dict(position)
         self._first_row = first_row

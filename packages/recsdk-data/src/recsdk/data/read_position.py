@@ -86,6 +86,33 @@ class ReadPosition:
             if key != "batches_read" and key not in ignore and state[key] != mine[key]
         ]
 
+    def is_resharded(self, state: object) -> bool:
+        """Whether ``state`` was saved by a reader of another number of shards (another world size)."""
+        return (
+            isinstance(state, dict) and "num_shards" in state and state["num_shards"] != self.state_dict()["num_shards"]
+        )
+
+    def load_resharded(self, state: dict[str, Any], problems: list[str] | None = None) -> int:
+        """Load a state of another number of shards (an elastic resume): nothing to skip in this
+        shard's new order; the batches every saving shard together had yielded, which read in
+        lockstep (``num_shards * batches_read``), for the reader to start after.
+
+        Args:
+            state (dict): from :meth:`state_dict` of one of the saving readers.
+            problems (list[str] | None): the reader's own reasons to refuse it, if any.
+
+        Raises:
+            ValueError: ``state`` is of other data (every difference named, but the shard), or
+                ``problems``.
+        """
+        differ = self.differences(state, ignore=("shard", "num_shards")) + list(problems or [])
+        if differ:
+            raise ValueError(f"state is of another {self._reader}: {', '.join(differ)}")
+        read = check_int("state['batches_read']", state["batches_read"], minimum=0)
+        num_shards = check_int("state['num_shards']", state["num_shards"], minimum=1)
+        self.reset()
+        return num_shards * read
+
     def load_state_dict(self, state: dict[str, Any], ignore: tuple[str, ...] = ()) -> None:
         """Continue the next iteration after the batches ``state`` had yielded (``ignore``: keys
         of the identity that may differ).
