@@ -27,7 +27,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import hash_modules
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST
-from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
+from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.checkpoint.save import ReadAhead, check_save_arguments, collect, write
 
 __all__ = ["AsyncCheckpointer"]
@@ -153,17 +153,14 @@ class AsyncCheckpointer:
         self.close()
 
     def _write(self, state: dict[str, Any], local: dict[str, Any], final: str, comm: Comm, future: Future[str]) -> None:
-        started = time.time()
-        tmp: str | None = None
         try:
-            tmp = begin_directory(final, comm, "checkpoint")
-            try:
-                manifest = write(state, local, self._modules, tmp, final, comm)
-            except BaseException:
-                if comm.failed_together:
-                    discard_directory(tmp, comm)
-                raise
-            publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm, started=started)
+            write_directory(
+                final,
+                comm,
+                "checkpoint",
+                CHECKPOINT_MANIFEST,
+                lambda tmp: write(state, local, self._modules, tmp, final, comm),
+            )
         except BaseException as e:  # carried to the training thread
             future.set_exception(e)
             return

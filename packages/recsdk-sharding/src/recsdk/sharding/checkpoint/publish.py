@@ -15,6 +15,8 @@ import os
 import re
 import secrets
 import shutil
+import time
+from collections.abc import Callable
 from typing import Any
 
 from recsdk.sharding.checkpoint.comm import Comm
@@ -148,6 +150,33 @@ def publish_directory(
             remove_stale_partials(final, older_than=started)
 
     comm.run(publish)
+
+
+def write_directory(
+    final: str, comm: Comm, what: str, manifest_name: str, fill: Callable[[str], dict[str, Any]]
+) -> None:
+    """Collective: create ``final``'s partial directory, ``fill(tmp)`` it (returning the manifest)
+    and publish it. A failure that every rank raised removes the partial directory (a dead peer's
+    stays, for the next successful write beside it to remove); stale partials are removed once
+    published.
+
+    Args:
+        final (str): the directory to publish; must not exist.
+        comm (Comm): the ranks writing it.
+        what (str): what is written, for messages (``"checkpoint"``).
+        manifest_name (str): the manifest's file name.
+        fill (Callable[[str], dict]): writes the data into the partial directory (collective);
+            returns the manifest.
+    """
+    started = time.time()
+    tmp = begin_directory(final, comm, what)
+    try:
+        manifest = fill(tmp)
+    except BaseException:
+        if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
+            discard_directory(tmp, comm)
+        raise
+    publish_directory(tmp, final, manifest_name, manifest, comm, started=started)
 
 
 def discard_directory(tmp: str, comm: Comm) -> None:

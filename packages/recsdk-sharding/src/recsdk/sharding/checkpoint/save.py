@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -24,7 +23,7 @@ from recsdk.sharding.checkpoint.layout import (
     layouts,
 )
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, build_manifest, hash_prefix
-from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
+from recsdk.sharding.checkpoint.publish import write_directory
 
 __all__ = ["save_checkpoint"]
 
@@ -98,16 +97,12 @@ def save_checkpoint(
     modules = hash_modules(model)
     final = os.path.abspath(os.fspath(path))
     comm = Comm(host_group(modules), what=f"saving checkpoint {final!r}")
-    started = time.time()
-    tmp = begin_directory(final, comm, "checkpoint")
-    try:
+
+    def fill(tmp: str) -> dict[str, Any]:
         state, local = collect(model, optimizer, modules, extra, comm)
-        manifest = write(state, local, modules, tmp, final, comm)
-    except BaseException:
-        if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
-            discard_directory(tmp, comm)
-        raise
-    publish_directory(tmp, final, CHECKPOINT_MANIFEST, manifest, comm, started=started)
+        return write(state, local, modules, tmp, final, comm)
+
+    write_directory(final, comm, "checkpoint", CHECKPOINT_MANIFEST, fill)
     return final
 
 
