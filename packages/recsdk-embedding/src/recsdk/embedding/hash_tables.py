@@ -185,11 +185,6 @@ class HashIdTables:
         """Every configured feature, once, in config order."""
         return self._feature_names
 
-    @property
-    def click_tables(self) -> list[str]:
-        """The tables whose show/click score reads clicks (the KJT's weights in training)."""
-        return self._click_tables
-
     def check_input(self, features: object, *, is_weighted: bool, training: bool = False) -> KeyedJaggedTensor:
         """:func:`~recsdk.embedding.check_features` against the configured features, named after the module.
 
