@@ -120,13 +120,21 @@ def test_elastic_resume_reads_every_batch_once_across_restarts(dataset: Path, si
     assert sorted(read) == sorted(epoch)
 
 
-def test_batches_own_their_memory(dataset: Path) -> None:
-    first = next(iter(ColumnarDataset(dataset, 10)))
-    first.dense_features.add_(1.0)
+def test_writing_into_a_batch_never_changes_the_files_or_its_ids(dataset: Path) -> None:
+    reader = ColumnarDataset(dataset, 10)
+    first = next(iter(reader))
+    ids = first.sparse_features.values().clone()
+    first.dense_features.add_(1.0)  # dense features and labels are copy-on-write views of the files
     first.labels.fill_(5.0)
+    first.sparse_features.values().zero_()  # ids and lengths are the batch's own
+    first.sparse_features.lengths().zero_()
     again = next(iter(ColumnarDataset(dataset, 10)))
     assert torch.equal(again.dense_features + 1.0, first.dense_features)
     assert not torch.equal(again.labels, first.labels)
+    assert torch.equal(again.sparse_features.values(), ids)
+    same_reader = reader.batch(0)
+    assert torch.equal(same_reader.sparse_features.values(), ids)
+    assert torch.equal(same_reader.sparse_features.lengths(), again.sparse_features.lengths())
 
 
 def test_damaged_or_unfinished_datasets_are_refused(dataset: Path, tmp_path: Path) -> None:
@@ -141,6 +149,15 @@ def test_damaged_or_unfinished_datasets_are_refused(dataset: Path, tmp_path: Pat
         if f.is_file():
             (copy / f.name).write_bytes(f.read_bytes())
     part = sorted(copy.glob("part-*.arrow"))[-1]
+    size = part.stat().st_size
+    part.write_bytes(b"\x80\x04" * (size // 2) + b"." * (size % 2))  # a pickle-like file of the right size
+    with pytest.raises(ValueError, match=rf"{part.name}: not an Arrow IPC file"):
+        ColumnarDataset(copy, 10)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    with pytest.raises(ValueError, match="format version 1, this reader reads version 2: convert the source files"):
+        ColumnarDataset(copy, 10)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
     part.write_bytes(part.read_bytes()[:-100])
     with pytest.raises(ValueError, match=rf"{part.name}: .* bytes, manifest.json says .*damaged"):
         ColumnarDataset(copy, 10)

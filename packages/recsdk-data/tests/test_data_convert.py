@@ -59,6 +59,8 @@ def test_converted_batches_equal_criteo_dataset(days: list[Path], tmp_path: Path
     assert [s["rows"] for s in manifest["sources"]] == [5_999, 3_000]
     assert len(manifest["parts"]) > 2 and manifest["parts"][-1]["byte_range"] is None  # the .gz is one unit
     assert manifest["sparse"] == [f"cat_{i}" for i in range(26)]
+    # The unit holding the 16-digit id (-1) stores int64 ids; every other unit uint32.
+    assert sorted(p["ids"] for p in manifest["parts"]) == ["int64"] + ["uint32"] * (len(manifest["parts"]) - 1)
 
 
 def test_parallel_conversion_writes_the_same_dataset(days: list[Path], tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data._checks import check_bool, check_int
 from recsdk.data.batch import Batch
-from recsdk.data.columnar_format import MANIFEST, check_part, columnar_schema, read_manifest
+from recsdk.data.columnar_format import MANIFEST, check_part, columnar_schema, lengths_column, read_manifest
 from recsdk.data.partition import check_rank_and_world_size, current_shard
 
 __all__ = ["ColumnarDataset"]
@@ -27,26 +28,72 @@ _STATE_KEYS = ("epoch", "batches_read", "rows", "batch_size", "drop_last", "shuf
 
 @dataclass
 class _Segment:
-    """One record batch's columns as numpy views of the mapped file; rows ``[start, start + n)`` of the dataset."""
+    """One record batch's columns as views of the mapped part file; rows ``[start, start + n)`` of the dataset."""
 
     start: int
     n: int
-    labels: npt.NDArray[np.float32]
+    labels: npt.NDArray[np.float32]  # [n], writable views of the copy-on-write mapping
     dense: npt.NDArray[np.float32]  # [n, D]
-    offsets: list[npt.NDArray[np.int32]]  # per feature, [n + 1]
-    ids: list[npt.NDArray[np.int64]]  # per feature, the ids of all n rows
+    words: npt.NDArray[np.int32]  # the whole part file as int32 words: the lists' offsets are read from it
+    offsets_at: npt.NDArray[np.int64]  # [F]: the word holding feature j's offset of the segment's row 0
+    ids: list[npt.NDArray[Any]]  # per feature, the ids of all n rows (uint32 or int64)
+    lengths: npt.NDArray[np.uint8]  # [F, n], one strided view of the F lengths columns
 
 
-def _segment(batch: pa.RecordBatch, start: int, num_dense: int, features: list[str]) -> _Segment:
+def _address(array: npt.NDArray[Any]) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def _place(base: npt.NDArray[np.uint8], array: npt.NDArray[Any], what: str) -> int:
+    """The byte offset of ``array`` (a view of the mapping) in ``base`` (the mapping)."""
+    first = _address(array) - _address(base)
+    if not 0 <= first <= base.shape[0] - array.nbytes:
+        raise ValueError(f"{what} is not stored in place (a compressed file?): not an Arrow IPC file of the format")
+    return first
+
+
+def _view_of(base: npt.NDArray[np.uint8], array: npt.NDArray[Any], what: str) -> npt.NDArray[Any]:
+    """``array`` (a contiguous, read-only view of the mapping) as a writable view of ``base``."""
+    first = _place(base, array, what)
+    return base[first : first + array.nbytes].view(array.dtype).reshape(array.shape)
+
+
+def _stacked(columns: list[npt.NDArray[np.uint8]], n: int) -> npt.NDArray[np.uint8]:
+    """``F`` byte columns of ``n`` rows as one ``[F, n]`` view: the IPC writer lays consecutive
+    columns of one length at equal strides."""
+    if not columns:
+        return np.zeros((0, n), dtype=np.uint8)
+    stride = _address(columns[-1]) - _address(columns[0])
+    stride = stride // (len(columns) - 1) if len(columns) > 1 else n
+    if stride < n or any(_address(c) - _address(columns[0]) != j * stride for j, c in enumerate(columns)):
+        raise ValueError("the lengths columns do not lie at equal strides: not an Arrow IPC file of the format")
+    return np.lib.stride_tricks.as_strided(columns[0], (len(columns), n), (stride, 1), writeable=False)
+
+
+def _segment(batch: pa.RecordBatch, start: int, mapping: mmap.mmap, num_dense: int, features: list[str]) -> _Segment:
     """Views of ``batch``'s buffers (no copy: the arrays point into the mapped file)."""
     n = batch.num_rows
-    dense = batch.column("dense").flatten().to_numpy(zero_copy_only=True).reshape(n, num_dense)
-    offsets, ids = [], []
+    base = np.frombuffer(mapping, dtype=np.uint8)
+    words = base[: base.shape[0] // 4 * 4].view(np.int32)
+    offsets_at, ids = [], []
     for name in features:
         column = batch.column(name)
-        offsets.append(column.offsets.to_numpy(zero_copy_only=True))
+        first = _place(base, column.offsets.to_numpy(zero_copy_only=True), f"column {name!r}")
+        if first % 4:
+            raise ValueError(f"column {name!r}: offsets not aligned to 4 bytes: not an Arrow IPC file of the format")
+        offsets_at.append(first // 4)
         ids.append(column.values.to_numpy(zero_copy_only=True))
-    return _Segment(start, n, batch.column("label").to_numpy(zero_copy_only=True), dense, offsets, ids)
+    dense = batch.column("dense").flatten().to_numpy(zero_copy_only=True).reshape(n, num_dense)
+    return _Segment(
+        start,
+        n,
+        _view_of(base, batch.column("label").to_numpy(zero_copy_only=True), "column 'label'"),
+        _view_of(base, dense, "column 'dense'") if dense.size else dense.copy(),
+        words,
+        np.array(offsets_at, dtype=np.int64),
+        ids,
+        _stacked([batch.column(lengths_column(name)).to_numpy(zero_copy_only=True) for name in features], n),
+    )
 
 
 class ColumnarDataset(IterableDataset[Batch]):
@@ -58,10 +105,13 @@ class ColumnarDataset(IterableDataset[Batch]):
     shuffle, batch ``i`` holds exactly the rows ``CriteoDataset(sources, batch_size)`` puts in
     its batch ``i`` (skipped bad lines left out the same way).
 
-    The part files are memory-mapped and every column is read in place (no decoding, no
-    copy into Python buffers); each batch's tensors are built with one copy per array (the
-    ids gathered feature by feature, as a KJT lays them out), so a batch owns its memory and
-    never aliases the files.
+    The part files are memory-mapped copy-on-write and every column is read in place (no
+    decoding). A batch's dense features and labels are views of the mapping (zero-copy; copied
+    only for a batch that spans two record batches); its ids (widened to int64 from a part's
+    uint32) and lengths are copied, feature by feature, as a KJT lays them out. Writing into a
+    batch never changes the files or another reader, but this reader reads its own writes to
+    dense features or labels again in a later epoch: ``clone()`` them before changing them in
+    place (as with TorchRec's in-memory reader, whose batches are views of its arrays).
 
     **Sharding.** The dataset's rows, in order, form global batches of ``batch_size``
     contiguous rows (the last one partial unless ``drop_last``). Global batch ``k`` of the
@@ -136,15 +186,15 @@ class ColumnarDataset(IterableDataset[Batch]):
         self.features: list[str] = list(manifest["sparse"])
         self.dense_columns: list[str] = list(manifest["dense"]["names"])
         self.num_rows: int = int(manifest["rows"])
-        schema = columnar_schema(len(self.dense_columns), self.features)
         self._segments: list[_Segment] = []
         self._readers: list[pa.RecordBatchFileReader] = []  # keep the mappings alive with the views
         start = 0
         for part in manifest["parts"]:
-            reader = check_part(self.path, part, schema)
+            schema = columnar_schema(len(self.dense_columns), self.features, part["ids"])
+            reader, mapping = check_part(self.path, part, schema)
             self._readers.append(reader)
             for i in range(reader.num_record_batches):
-                segment = _segment(reader.get_batch(i), start, len(self.dense_columns), self.features)
+                segment = _segment(reader.get_batch(i), start, mapping, len(self.dense_columns), self.features)
                 self._segments.append(segment)
                 start += segment.n
         if start != self.num_rows:
@@ -225,37 +275,39 @@ class ColumnarDataset(IterableDataset[Batch]):
         return self._make_batch(pieces)
 
     def _make_batch(self, pieces: list[tuple[_Segment, int, int]]) -> Batch:
-        """One copy of each array: the ids feature-major across the pieces, lengths ``[F, B]``.
+        """The ids (widened to int64, feature-major across the pieces) and lengths ``[F, B]`` copied;
+        dense features and labels views of the mapping (copied when the batch spans pieces).
 
-        A feature's stored offsets of a piece's rows give its ids' range (two reads) and its
-        lengths (their differences, written in place). The KJT's offsets are left to it
-        (computed when asked).
+        Each piece's lists' offsets at its first and end rows (one gather of ``F`` words each)
+        give every feature's ids as one slice. The KJT's offsets are left to it (computed when asked).
         """
         num_features = len(self.features)
         lengths = np.empty((num_features, sum(b - a for _, a, b in pieces)), dtype=np.int32)
-        column = 0
+        bounds, column = [], 0
         for s, a, b in pieces:
-            for j, o in enumerate(s.offsets):
-                np.subtract(o[a + 1 : b + 1], o[a:b], out=lengths[j, column : column + b - a])
+            bounds.append(s.words[s.offsets_at + np.array([[a], [b]])].tolist())  # [first, end] of each feature
+            np.copyto(lengths[:, column : column + b - a], s.lengths[:, a:b])
             column += b - a
         chunks, length_per_key, offset_per_key = [], [], [0]
         for j in range(num_features):
             count = 0
-            for s, a, b in pieces:
-                first, last = int(s.offsets[j][a]), int(s.offsets[j][b])
-                chunks.append(s.ids[j][first:last])
-                count += last - first
+            for (s, _, _), (first, last) in zip(pieces, bounds, strict=True):
+                chunks.append(s.ids[j][first[j] : last[j]])
+                count += last[j] - first[j]
             length_per_key.append(count)
             offset_per_key.append(offset_per_key[-1] + count)
+        values = np.empty(offset_per_key[-1], dtype=np.int64)
+        if chunks:
+            np.concatenate(chunks, out=values)  # uint32 ids widen here
         if len(pieces) == 1:
             s, a, b = pieces[0]
-            dense, labels = s.dense[a:b].copy(), s.labels[a:b].copy()
+            dense, labels = s.dense[a:b], s.labels[a:b]
         else:
             dense = np.concatenate([s.dense[a:b] for s, a, b in pieces])
             labels = np.concatenate([s.labels[a:b] for s, a, b in pieces])
         kjt = KeyedJaggedTensor(
             keys=self.features,
-            values=torch.from_numpy(np.concatenate(chunks)),
+            values=torch.from_numpy(values),
             lengths=torch.from_numpy(lengths.reshape(-1)),
             stride=lengths.shape[1],
             length_per_key=length_per_key,

@@ -11,21 +11,30 @@ Each record batch has the columns
 * ``label``: float32, one per row;
 * ``dense``: ``fixed_size_list<float32>[D]``: the row's dense features as the reader yields
   them (for Criteo ``log(1 + max(x, 0))``, 0 when empty), row-major, so ``[n, D]`` is one view;
-* one ``list<int64>`` column per sparse feature: the row's raw ids (an empty list: no id).
+* one ``list<uint32>`` or ``list<int64>`` column per sparse feature: the row's raw ids (an empty
+  list: no id). A part stores its ids as ``uint32`` when every one of them is in
+  ``[0, 2**32)`` (Criteo's ids are 8 hex digits), else as ``int64``; the manifest names each
+  part's type and the reader yields int64 either way, so the narrow type only halves the bytes;
+* one ``uint8`` column ``<feature>.lengths`` per sparse feature, after the lists and in their
+  order: each row's number of ids (the differences of the list's offsets, stored so a reader
+  gets a batch's ``[F, B]`` lengths with one copy of a byte per value; the IPC writer lays the
+  ``F`` columns at equal strides, so they read as one ``[F, n]`` view).
 
 Why Arrow IPC and not Parquet: an uncompressed IPC file is the in-memory layout on disk, so a
 reader memory-maps it and takes every column as a view, with no decoding; Parquet decodes
 (and usually decompresses) every page, so reading it costs a copy and a decode per value
-(``benchmarks/data_readers.py`` measures both). The price is size: about 8 bytes per id.
+(``benchmarks/data_readers.py`` measures both). The price is size: about 9 bytes per id
+(offset, length and a uint32 id).
 
 The manifest (JSON, no pickle) holds the format and version, the row count, the column
 names, the dense transform, the source files with their sizes, and every part with its
-rows and bytes.
+rows, bytes and id type.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,26 +47,42 @@ import pyarrow as pa
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "ID_TYPES",
     "MANIFEST",
+    "IdsTooWide",
     "check_part",
     "columnar_schema",
+    "lengths_column",
     "read_manifest",
     "record_batch",
     "write_json_atomically",
 ]
 
 FORMAT = "recsdk-columnar"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+ID_TYPES = {"uint32": pa.uint32(), "int64": pa.int64()}
+"""The types a part stores its ids in, narrowest first."""
+_UINT32_END = 1 << 32
 
 
-def columnar_schema(num_dense: int, sparse_features: Sequence[str]) -> pa.Schema:
-    """The Arrow schema of a dataset with ``num_dense`` dense features and these sparse features."""
+class IdsTooWide(ValueError):
+    """An id outside ``[0, 2**32)`` was given to a record batch of ``uint32`` ids."""
+
+
+def lengths_column(feature: str) -> str:
+    """The name of the column holding ``feature``'s number of ids per row."""
+    return f"{feature}.lengths"
+
+
+def columnar_schema(num_dense: int, sparse_features: Sequence[str], id_type: str = "uint32") -> pa.Schema:
+    """The Arrow schema of a part with ``num_dense`` dense features, these sparse features and ids of ``id_type``."""
     fields = [
         pa.field("label", pa.float32(), nullable=False),
         pa.field("dense", pa.list_(pa.float32(), num_dense), nullable=False),
     ]
-    fields += [pa.field(name, pa.list_(pa.int64()), nullable=False) for name in sparse_features]
+    fields += [pa.field(name, pa.list_(ID_TYPES[id_type]), nullable=False) for name in sparse_features]
+    fields += [pa.field(lengths_column(name), pa.uint8(), nullable=False) for name in sparse_features]
     return pa.schema(fields)
 
 
@@ -76,17 +101,26 @@ def record_batch(
         dense (np.ndarray): float32 ``[n, D]``.
         ids (np.ndarray): int64 ``[n, F]``, the id of each row and feature (ignored where absent).
         present (np.ndarray): bool ``[n, F]``, whether the row has an id for the feature.
+
+    Raises:
+        IdsTooWide: ``schema`` stores ids as ``uint32`` and a present id is outside ``[0, 2**32)``.
     """
-    n = labels.shape[0]
+    n, num_features = ids.shape
+    id_type = schema.field(2).type.value_type if num_features else pa.int64()
     columns: list[pa.Array] = [
         pa.array(labels, type=pa.float32()),
         pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(dense).reshape(-1)), dense.shape[1]),
     ]
-    for j in range(ids.shape[1]):
+    for j in range(num_features):
         mask = present[:, j]
+        kept = ids[mask, j]
+        if id_type == pa.uint32() and kept.size and (int(kept.min()) < 0 or int(kept.max()) >= _UINT32_END):
+            raise IdsTooWide(f"feature {schema.field(2 + j).name!r} has an id outside [0, 2**32)")
         offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(mask, out=offsets[1:])
-        columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids[mask, j], type=pa.int64())))
+        values = kept.astype(np.uint32) if id_type == pa.uint32() else kept
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=id_type)))
+    columns += [pa.array(present[:, j].astype(np.uint8), type=pa.uint8()) for j in range(num_features)]
     return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
@@ -126,13 +160,20 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a {FORMAT} manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
-            f"{path}: format version {manifest.get('format_version')!r}, this reader reads version {FORMAT_VERSION}"
+            f"{path}: format version {manifest.get('format_version')!r}, this reader reads version {FORMAT_VERSION}: "
+            "convert the source files again with `python -m recsdk.data.convert`"
         )
     return manifest
 
 
-def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> pa.RecordBatchFileReader:
-    """Open one part file memory-mapped, checked against the manifest's size and the schema.
+def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> tuple[pa.RecordBatchFileReader, mmap.mmap]:
+    """Open one part file memory-mapped copy-on-write, checked against the manifest's size and the schema.
+
+    The mapping is private: arrays viewing it are writable, and a write changes this process's
+    pages only, never the file.
+
+    Returns:
+        tuple: the IPC reader over the mapping, and the mapping (the base of every view).
 
     Raises:
         ValueError: the file is missing, has another size than the manifest says, is not an
@@ -145,9 +186,11 @@ def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> pa.Record
     if size != part["bytes"]:
         raise ValueError(f"{path}: {size:,} bytes, {MANIFEST} says {part['bytes']:,}: the file is damaged")
     try:
-        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-    except pa.ArrowInvalid as e:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        reader = pa.ipc.open_file(pa.py_buffer(mapping))
+    except (pa.ArrowInvalid, ValueError) as e:
         raise ValueError(f"{path}: not an Arrow IPC file ({e})") from e
     if not reader.schema.equals(schema):
         raise ValueError(f"{path}: schema {reader.schema} differs from the dataset's {schema}")
-    return reader
+    return reader, mapping

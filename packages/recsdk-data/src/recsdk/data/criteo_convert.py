@@ -33,7 +33,16 @@ from typing import Any
 import pyarrow as pa
 
 from recsdk.data._checks import check_bool, check_choice, check_int, check_paths
-from recsdk.data.columnar_format import FORMAT, FORMAT_VERSION, MANIFEST, columnar_schema, read_manifest, record_batch
+from recsdk.data.columnar_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    ID_TYPES,
+    MANIFEST,
+    IdsTooWide,
+    columnar_schema,
+    read_manifest,
+    record_batch,
+)
 from recsdk.data.columnar_format import write_json_atomically as _write_json
 from recsdk.data.criteo_fields import CRITEO_DENSE_COLUMNS, CRITEO_SPARSE_FEATURES, ON_BAD_LINE, CriteoRows
 from recsdk.data.criteo_tsv import BadLines, read_criteo_tsv
@@ -129,8 +138,38 @@ def _init_worker(queue: Any) -> None:
     _REPORT = queue.put
 
 
-def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: dict[str, Any]) -> dict[str, int]:
-    """Convert one unit into its part file and mark it done; returns its rows and bad lines."""
+def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Convert one unit into its part file and mark it done; returns its rows, bad lines, bytes and id type.
+
+    The ids are written as ``uint32``; a unit holding an id outside ``[0, 2**32)`` is written
+    again with ``int64`` ids (its progress taken back first).
+    """
+    report = _REPORT or (lambda _: None)
+    part = Path(out) / _part_name(unit)
+    for id_type in ID_TYPES:
+        reported = [0]
+        try:
+            rows, bad_lines = _write_part(part, spec, source, options, id_type, reported)
+            break
+        except IdsTooWide:
+            report(-reported[0])
+            if id_type == "int64":
+                raise
+    os.replace(_partial(part), part)
+    start, end = spec[1], spec[2]
+    report((end - (start or 0)) - reported[0])  # the rest of the unit's bytes
+    result = {"rows": rows, "bad_lines": bad_lines, "bytes": part.stat().st_size, "ids": id_type}
+    _write_json(_marker(Path(out), unit), result)
+    return result
+
+
+def _write_part(
+    part: Path, spec: list[Any], source: str, options: dict[str, Any], id_type: str, reported: list[int]
+) -> tuple[int, int]:
+    """Parse one unit into ``part``'s partial file (flushed) with ids of ``id_type``; returns rows and bad lines.
+
+    ``reported[0]`` counts the input bytes reported as done, also when this raises.
+    """
     report = _REPORT or (lambda _: None)
     path, (_, start, end) = Path(source), spec
     raw: pa.NativeFile
@@ -140,10 +179,9 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
     else:
         raw = stream = pa.BufferReader(pa.memory_map(source, "r").read_at(end - start, start))
     bad = BadLines(options["on_bad_line"], line_base=(lambda: _lines_before(path, start) + 1) if start else None)
-    schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES)
-    part = Path(out) / _part_name(unit)
+    schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES, id_type)
     tmp = _partial(part)
-    limit, rows, pending, held, reported = options["rows_per_batch"], 0, [], 0, 0
+    limit, rows, pending, held = options["rows_per_batch"], 0, [], 0
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
 
         def write(block: CriteoRows) -> None:
@@ -161,17 +199,13 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
                     pending, held = ([joined.take(slice(held - kept, held))] if kept else []), kept
                 rows += len(block)
                 done = raw.tell()  # input bytes consumed (compressed bytes for a compressed file)
-                report(done - reported)
-                reported = done
+                report(done - reported[0])
+                reported[0] = done
             if pending:
                 write(CriteoRows.concat(pending))
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, part)
-    report((end - (start or 0)) - reported)  # the rest of the unit's bytes
-    result = {"rows": rows, "bad_lines": bad.count, "bytes": part.stat().st_size}
-    _write_json(_marker(Path(out), unit), result)
-    return result
+    return rows, bad.count
 
 
 def _prepare(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
@@ -257,13 +291,13 @@ def convert_criteo(
     _prepare(root, plan, overwrite)
     if (root / MANIFEST).is_file():
         return read_manifest(root)
-    results: dict[int, dict[str, int]] = {}
+    results: dict[int, dict[str, Any]] = {}
     todo = []
     for unit in range(len(plan["units"])):
         marker, part = _marker(root, unit), root / _part_name(unit)
         if marker.is_file() and part.is_file():
             done = json.loads(marker.read_text())
-            if done["bytes"] == part.stat().st_size:
+            if done.get("ids") in ID_TYPES and done["bytes"] == part.stat().st_size:
                 results[unit] = done
                 continue
         for stale in (marker, part, _partial(part)):
@@ -306,7 +340,7 @@ def _progress_bar(show: bool, total: int, initial: int) -> Any:
     return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="convert", file=sys.stderr)
 
 
-def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[str, int]]:
+def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[str, Any]]:
     """Run the units on ``n`` processes; the first failure stops all of them and is raised."""
     # No fork: the parent may hold threads (pyarrow's, torch's). A fork server starts clean, imports
     # this module once, and forks the workers from there (spawn would import it in every worker).
@@ -316,7 +350,7 @@ def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[s
     else:
         ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    results: dict[int, dict[str, int]] = {}
+    results: dict[int, dict[str, Any]] = {}
     with ctx.Pool(n, initializer=_init_worker, initargs=(queue,)) as pool:
         pending = {a[1]: pool.apply_async(_convert_unit, a) for a in args}
         try:
@@ -336,8 +370,10 @@ def _run_pool(n: int, args: list[tuple[Any, ...]], bar: Any) -> dict[int, dict[s
     return results
 
 
-def _manifest(root: Path, plan: dict[str, Any], results: dict[int, dict[str, int]]) -> dict[str, Any]:
+def _manifest(root: Path, plan: dict[str, Any], results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     schema = columnar_schema(len(CRITEO_DENSE_COLUMNS), CRITEO_SPARSE_FEATURES)
+    types = {f.name: str(f.type) for f in schema}
+    types.update({name: "list<item: uint32 or int64, as the part's ids>" for name in CRITEO_SPARSE_FEATURES})
     sources = [{"path": s["path"], "bytes": s["bytes"], "rows": 0, "bad_lines": 0} for s in plan["sources"]]
     parts = []
     for unit, (source, start, end) in enumerate(plan["units"]):
@@ -350,6 +386,7 @@ def _manifest(root: Path, plan: dict[str, Any], results: dict[int, dict[str, int
                 "file": _part_name(unit),
                 "rows": done["rows"],
                 "bytes": done["bytes"],
+                "ids": done["ids"],
                 "source": source,
                 "byte_range": span,
             }
@@ -364,7 +401,7 @@ def _manifest(root: Path, plan: dict[str, Any], results: dict[int, dict[str, int
         "label": "label",
         "dense": {"column": "dense", "names": CRITEO_DENSE_COLUMNS, "transform": "log(1 + max(x, 0)), 0 when empty"},
         "sparse": CRITEO_SPARSE_FEATURES,
-        "schema": [{"name": f.name, "type": str(f.type)} for f in schema],
+        "schema": [{"name": name, "type": kind} for name, kind in types.items()],
         "rows_per_batch": plan["options"]["rows_per_batch"],
         "sources": sources,
         "parts": parts,
