@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Iterator
@@ -283,19 +284,17 @@ class ColumnarDataset(IterableDataset[Batch]):
         """
         num_features = len(self.features)
         lengths = np.empty((num_features, sum(b - a for _, a, b in pieces)), dtype=np.int32)
-        bounds, column = [], 0
+        counts = np.zeros(num_features, dtype=np.int64)
+        spans, column = [], 0
         for s, a, b in pieces:
-            bounds.append(s.words[s.offsets_at + np.array([[a], [b]])].tolist())  # [first, end] of each feature
+            first_end = s.words[s.offsets_at + np.array([[a], [b]])]  # [2, F]: each list's offsets at rows a, b
+            counts += first_end[1] - first_end[0]
+            spans.append((s.ids, *first_end.tolist()))
             np.copyto(lengths[:, column : column + b - a], s.lengths[:, a:b])
             column += b - a
-        chunks, length_per_key, offset_per_key = [], [], [0]
-        for j in range(num_features):
-            count = 0
-            for (s, _, _), (first, last) in zip(pieces, bounds, strict=True):
-                chunks.append(s.ids[j][first[j] : last[j]])
-                count += last[j] - first[j]
-            length_per_key.append(count)
-            offset_per_key.append(offset_per_key[-1] + count)
+        chunks = [ids[j][first[j] : end[j]] for j in range(num_features) for ids, first, end in spans]
+        length_per_key = counts.tolist()
+        offset_per_key = [0, *itertools.accumulate(length_per_key)]
         values = np.empty(offset_per_key[-1], dtype=np.int64)
         if chunks:
             np.concatenate(chunks, out=values)  # uint32 ids widen here
