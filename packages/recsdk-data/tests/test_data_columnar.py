@@ -2,6 +2,7 @@ import json
 import pickle
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 from test_data_convert import assert_same_batches
@@ -192,3 +193,23 @@ def test_pickled_reader_reopens_its_files_and_keeps_its_position(dataset: Path) 
     # A DataLoader whose workers start by spawn pickles the reader too.
     spawned = DataLoader(ColumnarDataset(dataset, 500), batch_size=None, num_workers=1, multiprocessing_context="spawn")
     assert_same_batches(list(spawned), list(ColumnarDataset(dataset, 500)))
+
+
+def test_a_compressed_part_is_refused_naming_the_column(dataset: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "compressed"
+    copy.mkdir()
+    for f in dataset.iterdir():
+        if f.is_file():
+            (copy / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    part = manifest["parts"][0]
+    with pa.ipc.open_file(pa.memory_map(str(dataset / part["file"]))) as reader:
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        options = pa.ipc.IpcWriteOptions(compression="zstd")
+        with pa.ipc.new_file(str(copy / part["file"]), reader.schema, options=options) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+    part["bytes"] = (copy / part["file"]).stat().st_size
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="column 'cat_0' is not stored in place"):
+        ColumnarDataset(copy, 10)
