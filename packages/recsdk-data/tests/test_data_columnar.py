@@ -1,4 +1,6 @@
+import errno
 import json
+import mmap
 import pickle
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import torch
 from test_data_convert import assert_same_batches
 from torch.utils.data import DataLoader
 
-from recsdk.data import ColumnarDataset, convert_criteo, write_synthetic_criteo
+from recsdk.data import ColumnarDataset, columnar_format, convert_criteo, write_synthetic_criteo
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +215,24 @@ def test_a_compressed_part_is_refused_naming_the_column(dataset: Path, tmp_path:
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="column 'cat_0' is not stored in place"):
         ColumnarDataset(copy, 10)
+
+
+def test_without_private_mappings_batches_are_copies(dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strict overcommit accounting refuses a copy-on-write mapping of a large file (ENOMEM)."""
+    mapped = []
+
+    def strict(fileno: int, length: int, *, access: int) -> mmap.mmap:
+        if access == mmap.ACCESS_COPY:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        mapped.append(access)
+        return real(fileno, length, access=access)
+
+    real = mmap.mmap
+    expected = list(ColumnarDataset(dataset, 100))
+    monkeypatch.setattr(columnar_format.mmap, "mmap", strict)
+    reader = ColumnarDataset(dataset, 100)
+    assert mapped and set(mapped) == {mmap.ACCESS_READ}
+    assert_same_batches(reader, expected)
+    first = reader.batch(0)
+    first.dense_features.add_(1.0)  # a copy: neither the file nor the next read changes
+    assert torch.equal(reader.batch(0).dense_features, expected[0].dense_features)

@@ -33,7 +33,7 @@ class _Segment:
 
     start: int
     n: int
-    labels: npt.NDArray[np.float32]  # [n], writable views of the copy-on-write mapping
+    labels: npt.NDArray[np.float32]  # [n], views of the copy-on-write mapping (writable)
     dense: npt.NDArray[np.float32]  # [n, D]
     words: npt.NDArray[np.int32]  # the whole part file as int32 words: the lists' offsets are read from it
     offsets_at: npt.NDArray[np.int64]  # [F]: the word holding feature j's offset of the segment's row 0
@@ -54,7 +54,7 @@ def _place(base: npt.NDArray[np.uint8], array: npt.NDArray[Any], what: str) -> i
 
 
 def _view_of(base: npt.NDArray[np.uint8], array: npt.NDArray[Any], what: str) -> npt.NDArray[Any]:
-    """``array`` (a contiguous, read-only view of the mapping) as a writable view of ``base``."""
+    """``array`` (a contiguous, read-only view of the mapping) as a view of ``base`` (writable when it is)."""
     first = _place(base, array, what)
     return base[first : first + array.nbytes].view(array.dtype).reshape(array.shape)
 
@@ -112,7 +112,8 @@ class ColumnarDataset(IterableDataset[Batch]):
     uint32) and lengths are copied, feature by feature, as a KJT lays them out. Writing into a
     batch never changes the files or another reader, but this reader reads its own writes to
     dense features or labels again in a later epoch: ``clone()`` them before changing them in
-    place (as with TorchRec's in-memory reader, whose batches are views of its arrays).
+    place (as with TorchRec's in-memory reader, whose batches are views of its arrays). A system
+    that refuses private mappings (strict overcommit) gets read-only mappings and copied batches.
 
     **Sharding.** The dataset's rows, in order, form global batches of ``batch_size``
     contiguous rows (the last one partial unless ``drop_last``). Global batch ``k`` of the
@@ -277,7 +278,8 @@ class ColumnarDataset(IterableDataset[Batch]):
 
     def _make_batch(self, pieces: list[tuple[_Segment, int, int]]) -> Batch:
         """The ids (widened to int64, feature-major across the pieces) and lengths ``[F, B]`` copied;
-        dense features and labels views of the mapping (copied when the batch spans pieces).
+        dense features and labels views of the mapping (copied when the batch spans pieces or
+        the mapping is read-only).
 
         Each piece's lists' offsets at its first and end rows (one gather of ``F`` words each)
         give every feature's ids as one slice. The KJT's offsets are left to it (computed when asked).
@@ -301,6 +303,8 @@ class ColumnarDataset(IterableDataset[Batch]):
         if len(pieces) == 1:
             s, a, b = pieces[0]
             dense, labels = s.dense[a:b], s.labels[a:b]
+            if not dense.flags.writeable:  # a read-only mapping (see check_part): the batch gets copies
+                dense, labels = dense.copy(), labels.copy()
         else:
             dense = np.concatenate([s.dense[a:b] for s, a, b in pieces])
             labels = np.concatenate([s.labels[a:b] for s, a, b in pieces])

@@ -33,6 +33,7 @@ rows, bytes and id type.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -170,7 +171,9 @@ def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> tuple[pa.
     """Open one part file memory-mapped copy-on-write, checked against the manifest's size and the schema.
 
     The mapping is private: arrays viewing it are writable, and a write changes this process's
-    pages only, never the file.
+    pages only, never the file. Where the system refuses a private mapping of the file's size
+    (strict overcommit accounting counts it as memory that writes could claim), the file is
+    mapped read-only instead, and views of it are read-only.
 
     Returns:
         tuple: the IPC reader over the mapping, and the mapping (the base of every view).
@@ -187,7 +190,12 @@ def check_part(root: Path, part: dict[str, Any], schema: pa.Schema) -> tuple[pa.
         raise ValueError(f"{path}: {size:,} bytes, {MANIFEST} says {part['bytes']:,}: the file is damaged")
     try:
         with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except OSError as e:
+                if e.errno != errno.ENOMEM:
+                    raise
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         reader = pa.ipc.open_file(pa.py_buffer(mapping))
     except (pa.ArrowInvalid, ValueError) as e:
         raise ValueError(f"{path}: not an Arrow IPC file ({e})") from e
