@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines in the generated file")
     parser.add_argument("--baseline-lines", type=int, default=None, help="lines the Python loop reads (default: all)")
     parser.add_argument("--batch-size", type=int, default=4096, help="CriteoDataset's batch size")
-    parser.add_argument("--read-batch-sizes", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--read-batch-sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--check-lines", type=int, default=20_000, help="prefix on which CriteoDataset and csv agree")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison")
     parser.add_argument("--chunk-mb", type=int, default=32, help="MiB of the file per conversion unit")
