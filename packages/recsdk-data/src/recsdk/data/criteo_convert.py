@@ -146,31 +146,36 @@ def _convert_unit(out: str, unit: int, spec: list[Any], source: str, options: di
     """
     report = _REPORT or (lambda _: None)
     part = Path(out) / _part_name(unit)
+    done = 0  # input bytes of the unit reported as converted
+
+    def advance(position: int) -> None:
+        nonlocal done
+        report(position - done)
+        done = position
+
     for id_type in ID_TYPES:
-        reported = [0]
         try:
-            rows, bad_lines = _write_part(part, spec, source, options, id_type, reported)
+            rows, bad_lines = _write_part(part, spec, source, options, id_type, advance)
             break
         except IdsTooWide:
-            report(-reported[0])
+            advance(0)  # the unit is written again
             if id_type == "int64":
                 raise
     os.replace(_partial(part), part)
-    start, end = spec[1], spec[2]
-    report((end - (start or 0)) - reported[0])  # the rest of the unit's bytes
+    _, start, end = spec
+    advance(end - (start or 0))  # the rest of the unit's bytes
     result = {"rows": rows, "bad_lines": bad_lines, "bytes": part.stat().st_size, "ids": id_type}
     _write_json(_marker(Path(out), unit), result)
     return result
 
 
 def _write_part(
-    part: Path, spec: list[Any], source: str, options: dict[str, Any], id_type: str, reported: list[int]
+    part: Path, spec: list[Any], source: str, options: dict[str, Any], id_type: str, advance: Callable[[int], None]
 ) -> tuple[int, int]:
     """Parse one unit into ``part``'s partial file (flushed) with ids of ``id_type``; returns rows and bad lines.
 
-    ``reported[0]`` counts the input bytes reported as done, also when this raises.
+    ``advance(position)`` is told the input bytes of the unit consumed so far.
     """
-    report = _REPORT or (lambda _: None)
     path, (_, start, end) = Path(source), spec
     raw: pa.NativeFile
     if start is None:
@@ -198,9 +203,7 @@ def _write_part(
                     kept = held % limit
                     pending, held = ([joined.take(slice(held - kept, held))] if kept else []), kept
                 rows += len(block)
-                done = raw.tell()  # input bytes consumed (compressed bytes for a compressed file)
-                report(done - reported[0])
-                reported[0] = done
+                advance(raw.tell())  # input bytes consumed (compressed bytes for a compressed file)
             if pending:
                 write(CriteoRows.concat(pending))
     with open(tmp, "rb+") as f:

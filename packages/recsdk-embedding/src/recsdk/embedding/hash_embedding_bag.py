@@ -78,9 +78,10 @@ class HashEmbeddingBagCollection(HashIdTablesMixin, EmbeddingBagCollection):
         check_tables(tables, HashEmbeddingBagConfig, module="HashEmbeddingBagCollection")
         if not isinstance(is_weighted, bool):
             raise TypeError(f"HashEmbeddingBagCollection: is_weighted must be a bool, got {is_weighted!r}")
-        if is_weighted and click_tables(tables):
+        clicking = click_tables(tables)
+        if is_weighted and clicking:
             raise ValueError(
-                f"HashEmbeddingBagCollection: table(s) {click_tables(tables)} score clicks (ShowClickScore with "
+                f"HashEmbeddingBagCollection: table(s) {clicking} score clicks (ShowClickScore with "
                 "beta > 0), which come as the KJT's per-id weights, but a weighted collection pools with its "
                 "weights; use is_weighted=False, or beta=0 (shows only)"
             )

@@ -26,7 +26,6 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import init_rows_
-from recsdk.embedding.hash_tables import click_tables
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
@@ -92,7 +91,6 @@ class HostShards:
         self._features = list(features)
         self._name = name
         self._is_weighted = is_weighted
-        self._click_tables = click_tables(list(self.configs.values()))
         self._pooled = pooled
         self._device = device
         self._host_adam = host_adam
@@ -204,7 +202,7 @@ class HostShards:
             self._features,
             module=self._name,
             is_weighted=self._is_weighted,
-            click_tables=self._click_tables,
+            click_tables=self.stage.click_tables,
             training=training,
         )
         return checked

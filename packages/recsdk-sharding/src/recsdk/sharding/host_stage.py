@@ -95,7 +95,8 @@ class IdMappingStage:
         clicks: Iterable[str] = (),
     ) -> None:
         self._tables = id_tables
-        self._clicks = frozenset(clicks)
+        self._click_tables = list(clicks)
+        self._clicks = frozenset(self._click_tables)
         self._shards = dict(shards)
         self._feature_to_table = dict(feature_to_table)
         self._lock = ledger_lock if ledger_lock is not None else threading.RLock()
@@ -143,6 +144,11 @@ class IdMappingStage:
     def id_tables(self) -> dict[str, IdTable]:
         """This rank's id table per table shard (table name -> IdTable)."""
         return self._tables
+
+    @property
+    def click_tables(self) -> list[str]:
+        """The tables that score clicks (read from the KJTs' weights), in the order given."""
+        return self._click_tables
 
     def table_of(self, feature: str) -> str:
         """The table a feature looks up."""
