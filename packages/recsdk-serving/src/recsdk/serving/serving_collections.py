@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from fbgemm_gpu.split_embedding_configs import SparseType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -76,6 +76,8 @@ class _ServingCollection(nn.Module):
             device="cpu",
             pooling_mode=PoolingMode.SUM if self.pooled else PoolingMode.NONE,
             output_dtype=SparseType.FP32,
+            # Rows come from the collection's own index: in range, or -1 (skipped by the kernel).
+            bounds_check_mode=BoundsCheckMode.NONE,
         )
         kernel.initialize_weights()
         return kernel
@@ -88,7 +90,6 @@ class _ServingCollection(nn.Module):
         values = features.values().long()
         offsets = features.offsets().long()
         rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, offsets, self.index_slots, self.index_offsets)
-        rows = rows.clamp_(min=-1)  # a removed id's slot reads -2
         if self.minus_one.shape[0] > 0:  # the id -1, which the slots cannot hold
             offset_per_key = features.offset_per_key()
             for i in range(self.minus_one.shape[0]):
@@ -109,6 +110,9 @@ class _ServingCollection(nn.Module):
             if row >= 0:
                 minus_one.append((table.first_feature, table.first_feature + len(table.features), row))
         self.index_slots = torch.cat(slots)
+        # A removed id keeps its key (probes go on past it) with row -2 in the tables' indexes; here it
+        # reads -1, which the kernel skips, so a forward needs no pass over its rows.
+        self.index_slots[:, 1].clamp_(min=-1)
         self.index_offsets = torch.tensor(offsets, dtype=torch.int64)
         self.minus_one = torch.tensor(minus_one, dtype=torch.int64).view(-1, 3)
 
