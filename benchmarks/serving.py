@@ -57,26 +57,30 @@ def _model(args: argparse.Namespace, device: str) -> DLRM:
 
 
 def _publish(rank: int, world_size: int, args: argparse.Namespace, roots: dict[str, str]) -> dict[str, torch.Tensor]:
-    """One rank: fill the tables, publish a full version and ``--deltas`` deltas per dtype."""
-    torch.manual_seed(0)
-    dmp, _ = shard(_model(args, "meta"), get_default_hybrid_sharders(host_env=host_env()), None, 512)
-    ids = fill_hash_tables(dmp, args.ids, rank, world_size)
-    (module,) = sharded_hash_modules(dmp).values()
-    publishers = {dtype: Publisher(dmp, root, dtype=getattr(torch, dtype), keep=1000) for dtype, root in roots.items()}
-    for publisher in publishers.values():
+    """One rank: per dtype, fill the tables and publish a full version and ``--deltas`` deltas.
+
+    Each dtype's chain comes from its own model and ``Publisher``: a model's change trackers feed
+    one chain (a second publisher on the same model would publish full versions every time)."""
+    ids: dict[str, torch.Tensor] = {}
+    for dtype, root in roots.items():
+        torch.manual_seed(0)
+        dmp, _ = shard(_model(args, "meta"), get_default_hybrid_sharders(host_env=host_env()), None, 512)
+        ids = fill_hash_tables(dmp, args.ids, rank, world_size)  # the same ids for every dtype
+        (module,) = sharded_hash_modules(dmp).values()
+        publisher = Publisher(dmp, root, dtype=getattr(torch, dtype), keep=1000)
         publisher.publish(step=0)
-    gen = torch.Generator().manual_seed(7)
-    for step in range(1, args.deltas + 1):
-        per_table = args.delta_rows // args.tables
-        views = module.table_views()
-        for name, table in module.id_tables.items():
-            _, rows = table.ids_and_rows()
-            pick = rows[torch.randperm(rows.numel(), generator=gen)[:per_table]]
-            with torch.no_grad():
-                views[name].weight[pick] += 0.01
-            table.changes.changed(pick)
-        for publisher in publishers.values():
+        gen = torch.Generator().manual_seed(7)
+        for step in range(1, args.deltas + 1):
+            per_table = args.delta_rows // args.tables
+            views = module.table_views()
+            for name, table in module.id_tables.items():
+                _, rows = table.ids_and_rows()
+                pick = rows[torch.randperm(rows.numel(), generator=gen)[:per_table]]
+                with torch.no_grad():
+                    views[name].weight[pick] += 0.01
+                table.changes.changed(pick)
             publisher.publish(step=step)
+        del dmp, module, publisher
     return ids
 
 
@@ -196,6 +200,8 @@ def _apply_while_serving(args: argparse.Namespace, source: str, ids: dict[str, t
             start = time.perf_counter()
             serving.refresh()
             end = time.perf_counter()
+            if serving.kind != "delta":
+                raise RuntimeError(f"version {serving.version} applied as {serving.kind!r}: this measures deltas")
             windows.append((start, end))
             apply_s.append(end - start)
             time.sleep(0.5)

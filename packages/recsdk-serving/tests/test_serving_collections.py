@@ -90,3 +90,26 @@ def test_weighted_bags_and_unpooled_tables() -> None:
     out = unpooled(kjt)
     assert out["hist"].values()[:, 0].tolist() == [6.0, 1.0, 0.0] and out["hist"].lengths().tolist() == [2, 1]
     assert out["cand"].values()[:, 0].tolist() == [6.0] and out["cand"].lengths().tolist() == [0, 1]
+
+
+def test_a_staged_version_is_served_only_once_committed() -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, feature_names=["f"])],
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, "float32")
+    serving.apply_version(_version("full", {"a": ([3, 4], [1.0, 2.0], [])}, "float32"))
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([3, 4, 5]), lengths=torch.tensor([1, 1, 1]))
+    # A delta that deletes 4 (its row goes to the new id 5) and changes 3.
+    staged = serving.stage_version(_version("delta", {"a": ([3, 5], [7.0, 9.0], [4])}, "float32"))
+    assert serving(kjt).values()[:, 0].tolist() == [1.0, 2.0, 0.0]  # the applied version, wholly
+    serving.commit_version(staged)
+    assert serving(kjt).values()[:, 0].tolist() == [7.0, 0.0, 9.0]
+    # A full version in another dtype: a new kernel, served once committed.
+    staged = serving.stage_version(_version("full", {"a": ([4], [5.0], [])}, "float16"))
+    assert serving(kjt).values()[:, 0].tolist() == [7.0, 0.0, 9.0] and serving.dtype == "float32"
+    serving.commit_version(staged)
+    assert serving(kjt).values()[:, 0].tolist() == [0.0, 5.0, 0.0] and serving.dtype == "float16"
+    with pytest.raises(ValueError, match="delta of float32 rows on top of float16 rows"):
+        serving.stage_version(_version("delta", {"a": ([4], [1.0], [])}, "float32"))
+    assert serving(kjt).values()[:, 0].tolist() == [0.0, 5.0, 0.0]

@@ -36,11 +36,11 @@ class ServedTable:
         self.features = list(config.feature_names)
         self.first_feature = first_feature
         self.mean = isinstance(config, EmbeddingBagConfig) and config.pooling == PoolingType.MEAN
-        self.ids = IdTable(self.capacity, name=f"{self.name}@serving")
+        self.ids = self.empty_ids()
 
-    def reset(self) -> None:
-        """Hold no id (before a full version)."""
-        self.ids = IdTable(self.capacity, name=f"{self.name}@serving")
+    def empty_ids(self) -> IdTable:
+        """A new id index holding no id, for a full version (:attr:`ids` until it is served)."""
+        return IdTable(self.capacity, name=f"{self.name}@serving")
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -19,6 +19,7 @@ after applying versions).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,10 +29,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTable
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, PublishedVersion
+from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, PublishedVersion
 from recsdk.serving.served_table import ServedTable
 
-__all__ = ["SPARSE_TYPES", "ServingEmbeddingBagCollection", "ServingEmbeddingCollection"]
+__all__ = ["SPARSE_TYPES", "ServingEmbeddingBagCollection", "ServingEmbeddingCollection", "StagedVersion"]
 
 SPARSE_TYPES = {"float32": SparseType.FP32, "float16": SparseType.FP16, "uint8": SparseType.INT8}
 """FBGEMM's row type for each dtype a publication's rows come in."""
@@ -63,7 +64,7 @@ class _ServingCollection(nn.Module):
         self.register_buffer("index_offsets", torch.zeros(len(self.features) + 1, dtype=torch.int64), persistent=False)
         self.minus_one: torch.Tensor  # rows (first feature, end feature, row) of the tables holding -1
         self.register_buffer("minus_one", torch.zeros(0, 3, dtype=torch.int64), persistent=False)
-        self._sync_index()
+        self.index_slots, self.index_offsets, self.minus_one = self._index([t.ids for t in self.tables])
 
     def _kernel(self, dtype: str) -> IntNBitTableBatchedEmbeddingBagsCodegen:
         """One FBGEMM inference kernel over every table; a feature per lookup (``feature_table_map``)."""
@@ -99,47 +100,109 @@ class _ServingCollection(nn.Module):
         return features, offsets, rows
 
     @torch.jit.unused
-    def _sync_index(self) -> None:
-        """Lay every feature's slots end to end (after the indexes changed)."""
+    def _index(self, ids: list[IdTable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The index a forward reads, from the tables' id indexes ``ids`` (a new copy: a forward on the
+        one in use is not disturbed): every feature's slots end to end, their offsets, and the rows
+        (first feature, end feature, row) of the tables holding the id -1."""
         slots, offsets, minus_one = [], [0], []
-        for table in self.tables:
-            table_slots, _, row = table.ids.index_state()
+        for table, table_ids in zip(self.tables, ids, strict=True):
+            table_slots, _, row = table_ids.index_state()
             for _ in table.features:
                 slots.append(table_slots)
                 offsets.append(offsets[-1] + table_slots.shape[0])
             if row >= 0:
                 minus_one.append((table.first_feature, table.first_feature + len(table.features), row))
-        self.index_slots = torch.cat(slots)
+        index_slots = torch.cat(slots)
         # A removed id keeps its key (probes go on past it) with row -2 in the tables' indexes; here it
         # reads -1, which the kernel skips, so a forward needs no pass over its rows.
-        self.index_slots[:, 1].clamp_(min=-1)
-        self.index_offsets = torch.tensor(offsets, dtype=torch.int64)
-        self.minus_one = torch.tensor(minus_one, dtype=torch.int64).view(-1, 3)
+        index_slots[:, 1].clamp_(min=-1)
+        return (
+            index_slots,
+            torch.tensor(offsets, dtype=torch.int64),
+            torch.tensor(minus_one, dtype=torch.int64).view(-1, 3),
+        )
 
     @torch.jit.unused
-    def apply_version(self, version: PublishedVersion) -> None:
-        """Apply a version's part for these tables: a full one replaces every id (in another dtype,
-        a new kernel); a delta drops its deleted ids, then writes its ids' rows (new ids get rows).
+    def stage_version(self, version: PublishedVersion) -> StagedVersion:
+        """Prepare a version's part for these tables without changing what a forward reads: the
+        first half of :meth:`apply_version`, which may run while forwards do.
+
+        A full version gets new id tables and a new kernel with its rows (the old ones are served
+        until :meth:`commit_version`: for a while, the rows are held twice; a collection serving no
+        id yet writes into its kernel). A delta drops its deleted
+        ids from the id tables and gives its new ids rows there; its rows are written by
+        :meth:`commit_version` (some are rows a forward still reads).
 
         Raises:
             TableFullError: a version holds more ids than a table's ``num_embeddings``.
+            ValueError: a delta's rows are of another dtype than those served.
         """
         full = version.kind == "full"
-        if full and version.dtype != self.dtype:
-            self.dtype = version.dtype
-            self.tbe = self._kernel(self.dtype)
-        kernel_rows = self.tbe.split_embedding_weights(split_scale_shifts=True)
-        for t, table in enumerate(self.tables):
+        if not full and version.dtype != self.dtype:
+            raise ValueError(
+                f"version {version.version} is a delta of {version.dtype} rows on top of {self.dtype} rows; "
+                "a publisher's dtype changes only with a full version"
+            )
+        ids = [table.empty_ids() if full else table.ids for table in self.tables]
+        writes: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
+        for t, (table, table_ids) in enumerate(zip(self.tables, ids, strict=True)):
             published = version.tables[table.name]
-            if full:
-                table.reset()
-            elif published.deleted.numel():
-                table.ids.remove(published.deleted)
+            if not full and published.deleted.numel():
+                table_ids.remove(published.deleted)
             if published.ids.numel():
-                rows = table.ids.find_or_insert(published.ids)
-                table.ids.take_reassigned_rows()  # their values are written here
-                _write(kernel_rows[t], rows, published.rows, table.dim)
-        self._sync_index()
+                rows = table_ids.find_or_insert(published.ids)
+                table_ids.take_reassigned_rows()  # their values are written here
+                writes.append((t, rows, published.rows))
+        if not full:
+            return StagedVersion(version.dtype, None, None, writes, self._index(ids))
+        # No forward reads a new kernel's rows yet, nor the rows of one serving no id (a new collection's).
+        serving_none = all(len(table) == 0 for table in self.tables)
+        kernel = self.tbe if serving_none and version.dtype == self.dtype else self._kernel(version.dtype)
+        self._write(kernel, writes)
+        return StagedVersion(version.dtype, kernel, ids, [], self._index(ids))
+
+    @torch.jit.unused
+    def commit_version(self, staged: StagedVersion) -> None:
+        """Serve a staged version (while no forward runs): swap in its kernel, id tables and index,
+        and write a delta's rows."""
+        if staged.kernel is not None and staged.ids is not None:
+            self.tbe, self.dtype = staged.kernel, staged.dtype
+            for table, ids in zip(self.tables, staged.ids, strict=True):
+                table.ids = ids
+        self._write(self.tbe, staged.writes)
+        self.index_slots, self.index_offsets, self.minus_one = staged.index
+
+    @torch.jit.unused
+    def apply_version(self, version: PublishedVersion) -> None:
+        """Apply a version's part for these tables (:meth:`stage_version`, then
+        :meth:`commit_version`): a full one replaces every id and row; a delta drops its deleted
+        ids, then writes its ids' rows (new ids get rows).
+
+        Raises:
+            TableFullError: a version holds more ids than a table's ``num_embeddings``.
+            ValueError: a delta's rows are of another dtype than those served.
+        """
+        self.commit_version(self.stage_version(version))
+
+    @torch.jit.unused
+    def _write(
+        self, kernel: IntNBitTableBatchedEmbeddingBagsCodegen, writes: list[tuple[int, torch.Tensor, Any]]
+    ) -> None:
+        """Copy published rows into ``kernel``'s rows, bytes as published: (table, rows, tensors) each."""
+        if not writes:
+            return
+        split = kernel.split_embedding_weights(split_scale_shifts=True)
+        for t, rows, tensors in writes:
+            weight, scale_bias = split[t]
+            dim = self.tables[t].dim
+            values = tensors["rows"]
+            if values.dtype == torch.uint8:
+                weight[rows, :dim] = values
+                halves = scale_bias.view(torch.float16)
+                halves[rows, 0] = tensors["scale"]
+                halves[rows, 1] = tensors["bias"]
+            else:
+                weight.view(values.dtype)[rows, :dim] = values
 
     @torch.jit.unused
     def table_sizes(self) -> dict[str, int]:
@@ -147,17 +210,24 @@ class _ServingCollection(nn.Module):
         return {table.name: len(table) for table in self.tables}
 
 
-def _write(kernel: tuple[torch.Tensor, Any], rows: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:
-    """Copy published rows into the kernel's rows ``rows`` (bytes as published)."""
-    weight, scale_bias = kernel
-    values = tensors["rows"]
-    if values.dtype == torch.uint8:
-        weight[rows, :dim] = values
-        halves = scale_bias.view(torch.float16)
-        halves[rows, 0] = tensors["scale"]
-        halves[rows, 1] = tensors["bias"]
-    else:
-        weight.view(values.dtype)[rows, :dim] = values
+@dataclass
+class StagedVersion:
+    """A version prepared by :meth:`ServingEmbeddingBagCollection.stage_version` (or the
+    unpooled collection's), served once committed.
+
+    Attributes:
+        dtype (str): the rows' dtype.
+        kernel (IntNBitTableBatchedEmbeddingBagsCodegen | None): a full version's new kernel, its rows written.
+        ids (list[IdTable] | None): a full version's new id table per table.
+        writes (list): a delta's rows to write: (table, rows ``[n]``, the published tensors).
+        index (tuple): the index a forward reads (slots, their offsets, the tables holding -1).
+    """
+
+    dtype: str
+    kernel: IntNBitTableBatchedEmbeddingBagsCodegen | None
+    ids: list[IdTable] | None
+    writes: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class ServingEmbeddingBagCollection(_ServingCollection):

@@ -40,9 +40,10 @@ class ServingModel:
     part (every other parameter and buffer) is loaded from the publication. Construction applies
     the latest full version and every delta after it.
 
-    A forward sees one version wholly: :meth:`refresh` reads and checks a version before it takes
-    the model, then applies it while no forward runs (forwards share a read lock, so several
-    threads predict at once).
+    A forward sees one version wholly: :meth:`refresh` reads and checks a version and prepares it
+    (new id indexes; for a full version a new kernel with its rows) while forwards run, then
+    swaps it in and writes a delta's rows while no forward runs (forwards share a read lock, so
+    several threads predict at once). Applying a full version holds its rows twice for a while.
 
     Args:
         model (nn.Module): the model, built as for training; changed in place (its hash modules
@@ -213,9 +214,12 @@ class ServingModel:
         return published
 
     def _apply(self, published: PublishedVersion) -> None:
+        # Everything a forward does not read is prepared while forwards run; they wait only for
+        # the swap, a delta's row writes and the dense part.
+        staged = [(c, c.stage_version(published)) for c in self._collections.values()]
         with self._lock.writing():
-            for collection in self._collections.values():
-                collection.apply_version(published)
+            for collection, version in staged:
+                collection.commit_version(version)
             self.model.load_state_dict(published.dense, strict=False)
             self._version, self._step, self._kind = published.version, published.step, published.kind
 
