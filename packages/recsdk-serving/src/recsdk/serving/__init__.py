@@ -8,7 +8,11 @@ versions in place (``refresh``, ``follow``). Requires recsdk-embedding only: no 
 
 from recsdk.serving.rw_lock import ReadWriteLock
 from recsdk.serving.served_table import ServedTable
-from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, ServingEmbeddingCollection
+from recsdk.serving.serving_collections import (
+    ServingEmbeddingBagCollection,
+    ServingEmbeddingCollection,
+    StagedVersion,
+)
 from recsdk.serving.serving_model import ServingModel
 
 __all__ = [
@@ -17,4 +21,5 @@ __all__ = [
     "ServingEmbeddingBagCollection",
     "ServingEmbeddingCollection",
     "ServingModel",
+    "StagedVersion",
 ]
