@@ -15,7 +15,7 @@ under ``.<name>.partial-<token>``, renamed at the end; removed if a write fails 
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.errors import os_reason
 from recsdk.sharding.checkpoint.layout import root
-from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
+from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.host_sharded_module import HostShardedModule
 
 __all__ = ["EXPORT_MANIFEST", "export_embeddings"]
@@ -95,33 +95,28 @@ def export_embeddings(model: nn.Module, path: str | os.PathLike[str]) -> dict[st
     pg = next(iter(sharded.values())).host_group if sharded else None
     final = os.path.abspath(os.fspath(path))
     comm = Comm(pg, what=f"exporting embeddings to {final!r}")
-    tmp = begin_directory(final, comm, "export")
 
-    try:
+    def fill(tmp: str) -> dict[str, Any]:
         written = comm.run(_write_parts, sharded, unsharded, dims, tmp, comm.rank, comm.world)
-    except BaseException:
-        if comm.failed_together:  # every rank stopped writing
-            discard_directory(tmp, comm)
-        raise
-    everyone = comm.gather(written)
-    totals = {name: sum(w.get(name, 0) for w in everyone) for name in sorted(owners)}
-    manifest = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "world_size": comm.world,
-        "tables": {
-            name: {
-                "embedding_dim": dims[name],
-                "num_ids": totals[name],
-                "files": [
-                    f"{name}/part-{r:05d}-of-{comm.world:05d}.parquet" for r, w in enumerate(everyone) if name in w
-                ],
-            }
-            for name in sorted(owners)
-        },
-    }
-    publish_directory(tmp, final, EXPORT_MANIFEST, manifest, comm)
-    return totals
+        everyone = comm.gather(written)
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "world_size": comm.world,
+            "tables": {
+                name: {
+                    "embedding_dim": dims[name],
+                    "num_ids": sum(w.get(name, 0) for w in everyone),
+                    "files": [
+                        f"{name}/part-{r:05d}-of-{comm.world:05d}.parquet" for r, w in enumerate(everyone) if name in w
+                    ],
+                }
+                for name in sorted(owners)
+            },
+        }
+
+    manifest = write_directory(final, comm, "export", EXPORT_MANIFEST, fill, remove_stale=False)
+    return {name: table["num_ids"] for name, table in manifest["tables"].items()}
 
 
 class _Table(NamedTuple):

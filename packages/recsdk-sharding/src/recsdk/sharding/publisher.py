@@ -13,7 +13,7 @@ Every :meth:`Publisher.publish` writes the next version under the root (the form
    keeps mapping meanwhile; training is between steps, so the rows do not change;
 3. each rank writes its table files into the version's partial directory (rank 0 also the dense
    part), checksums them, and rank 0 writes the manifest last and renames the directory
-   (the checkpoint code's :func:`~recsdk.sharding.checkpoint.publish.publish_directory`);
+   (the checkpoint code's :func:`~recsdk.sharding.checkpoint.publish.write_directory`);
 4. only then do the trackers commit (what the version held counts as published). A failure on
    any rank raises on every rank, removes the partial directory and commits nothing: the next
    version carries those changes.
@@ -52,7 +52,7 @@ from recsdk.embedding.publication import (
 from recsdk.sharding.checkpoint import files
 from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import HashModule, hash_modules
-from recsdk.sharding.checkpoint.publish import begin_directory, discard_directory, publish_directory
+from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.publication_files import dense_state, table_descriptions, write_dense, write_table
 
 __all__ = ["PublishRecord", "Publisher"]
@@ -194,10 +194,9 @@ class Publisher:
         )
         version = plan["version"]
         full = version % self.full_every == 0 or not continuous
-        final = version_path(self.root, version)
-        tmp = begin_directory(final, comm, "publication")
-        try:
-            snapshots = comm.run(self._snapshots, full)
+        snapshots = comm.run(self._snapshots, full)
+
+        def fill(tmp: str) -> dict[str, Any]:
             written = comm.run(self._write, tmp, snapshots, dense, comm.rank)
             everyone = comm.gather(written)
             records = {
@@ -205,12 +204,9 @@ class Publisher:
                 for part in comm.gather(comm.run(files.describe, tmp, written["files"]))
                 for name, r in part.items()
             }
-            manifest = self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
-        except BaseException:
-            if comm.failed_together:
-                discard_directory(tmp, comm)
-            raise
-        publish_directory(tmp, final, PUBLICATION_MANIFEST, manifest, comm, started=started)
+            return self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
+
+        manifest = write_directory(version_path(self.root, version), comm, "publication", PUBLICATION_MANIFEST, fill)
         for fqn, module in self._modules.items():
             module.commit_changes(snapshots[fqn], plan["new_token"])
         if comm.rank == 0:
@@ -221,7 +217,7 @@ class Publisher:
             step=step,
             ids=sum(t["upserted"] for t in manifest["tables"].values()),
             deleted=sum(t["deleted"] for t in manifest["tables"].values()),
-            bytes=sum(int(r["size"]) for r in records.values()),
+            bytes=sum(int(r["size"]) for r in manifest["files"].values()),
             seconds=time.time() - started,
         )
         self.records.append(record)

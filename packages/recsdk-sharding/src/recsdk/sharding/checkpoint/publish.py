@@ -153,12 +153,18 @@ def publish_directory(
 
 
 def write_directory(
-    final: str, comm: Comm, what: str, manifest_name: str, fill: Callable[[str], dict[str, Any]]
-) -> None:
+    final: str,
+    comm: Comm,
+    what: str,
+    manifest_name: str,
+    fill: Callable[[str], dict[str, Any]],
+    *,
+    remove_stale: bool = True,
+) -> dict[str, Any]:
     """Collective: create ``final``'s partial directory, ``fill(tmp)`` it (returning the manifest)
     and publish it. A failure that every rank raised removes the partial directory (a dead peer's
     stays, for the next successful write beside it to remove); stale partials are removed once
-    published.
+    published (unless ``remove_stale`` is False).
 
     Args:
         final (str): the directory to publish; must not exist.
@@ -167,6 +173,10 @@ def write_directory(
         manifest_name (str): the manifest's file name.
         fill (Callable[[str], dict]): writes the data into the partial directory (collective);
             returns the manifest.
+        remove_stale (bool): remove the partial directories beside ``final`` older than this write.
+
+    Returns:
+        dict: the manifest published.
     """
     started = time.time()
     tmp = begin_directory(final, comm, what)
@@ -176,7 +186,8 @@ def write_directory(
         if comm.failed_together:  # every rank stopped writing; a dead peer's partial directory stays
             discard_directory(tmp, comm)
         raise
-    publish_directory(tmp, final, manifest_name, manifest, comm, started=started)
+    publish_directory(tmp, final, manifest_name, manifest, comm, started=started if remove_stale else None)
+    return manifest
 
 
 def discard_directory(tmp: str, comm: Comm) -> None:
