@@ -43,11 +43,11 @@ def _snapshot(ebc: HashEmbeddingBagCollection) -> dict[str, torch.Tensor]:
     ("values", "lengths", "pattern"),
     [
         # A new id (99) before the negative length of the first feature: it must not be inserted.
-        ([99, 5, 6, 7, 8], [2, -1, 2, 2], "negative lengths"),
+        ([99, 5, 6, 7, 8], [2, -1, 2, 2], r"negative lengths in features user \(sample 1: -1\) of"),
         # The negative length is in the second feature, after the first feature's new ids.
-        ([99, 98, 6, 7, 8], [1, 2, 3, -1], "negative lengths"),
+        ([99, 98, 6, 7, 8], [1, 2, 3, -1], r"negative lengths in features item \(sample 1: -1\) of"),
         # Lengths that sum to fewer ids than the KJT holds.
-        ([99, 98, 6, 7, 8], [1, 1, 1, 1], "sum to 4 but the KJT has 5 ids"),
+        ([99, 98, 6, 7, 8], [1, 1, 1, 1], r"sum to 4 but the KJT has 5 ids \(lengths per feature user: 2, item: 2\)"),
     ],
 )
 def test_rejected_batch_changes_no_id_table_weight_or_step(values: list[int], lengths: list[int], pattern: str) -> None:

@@ -113,3 +113,76 @@ def test_a_staged_version_is_served_only_once_committed() -> None:
     with pytest.raises(ValueError, match="delta of float32 rows on top of float16 rows"):
         serving.stage_version(_version("delta", {"a": ([4], [1.0], [])}, "float32"))
     assert serving(kjt).values()[:, 0].tolist() == [0.0, 5.0, 0.0]
+
+
+def _kjt(
+    keys: list[str], values: list[int] | torch.Tensor, lengths: list[int], **kwargs: torch.Tensor
+) -> KeyedJaggedTensor:
+    ids = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    return KeyedJaggedTensor(keys=keys, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64), **kwargs)
+
+
+BAD_BATCHES = [
+    (_kjt(["f", "x"], [1, 2], [1, 1]), ValueError, r"unknown \['?x'?\], missing \['?g'?\]"),
+    (_kjt(["f", "g", "f"], [1, 2, 3], [1, 1, 1]), ValueError, r"repeat \['?f'?\]"),
+    (_kjt(["f", "g"], torch.tensor([1.0, 2.0]), [1, 1]), TypeError, "ids of features .* must be int64 or int32"),
+    (_kjt(["f", "g"], [], []), ValueError, "has a batch of 0 samples; it must be > 0"),
+    (_kjt(["f", "g"], [1, 2, 3], [2, -1, 1, 1]), ValueError, r"negative lengths in features f \(sample 1: -1\)"),
+    (_kjt(["f", "g"], [1, 2, 3], [2, 1, 1, 1]), ValueError, r"add up to 5 \(f: 3, g: 2\) but the KJT has 3 ids"),
+]
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+@pytest.mark.parametrize(("kjt", "error", "match"), BAD_BATCHES)
+def test_a_bad_batch_is_refused_naming_the_features_before_any_kernel(
+    kjt: KeyedJaggedTensor, error: type[Exception], match: str, scripted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, feature_names=["f", "g"])],
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, "float32")
+    serving.apply_version(_version("full", {"a": ([1, 2, 3], [1.0, 2.0, 3.0], [])}, "float32"))
+    if scripted:
+        with pytest.raises(torch.jit.Error, match=f"ServingEmbeddingBagCollection: .*{match}"):
+            torch.jit.script(serving)(kjt)
+        return
+    monkeypatch.setattr(torch.ops.fbgemm, "pruned_hashmap_lookup", _no_kernel)
+    monkeypatch.setattr(serving, "tbe", _NoKernel())
+    with pytest.raises(error, match=f"^ServingEmbeddingBagCollection: .*{match}"):
+        serving(kjt)
+
+
+def _no_kernel(*args: object) -> None:
+    raise AssertionError("a bad batch reached an FBGEMM kernel")
+
+
+class _NoKernel(torch.nn.Module):
+    def forward(self, *args: object) -> None:
+        _no_kernel()
+
+
+def test_weights_and_an_unpooled_batch_are_checked() -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, feature_names=["f"])],
+        is_weighted=True,
+        device="meta",
+    )
+    weighted = ServingEmbeddingBagCollection(ebc, "float32")
+    weighted.apply_version(_version("full", {"a": ([3], [1.0], [])}, "float32"))
+    with pytest.raises(ValueError, match="is weighted but the KJT of features"):
+        weighted(_kjt(["f"], [3], [1]))
+    with pytest.raises(ValueError, match=r"has 2 weights \(1-D\); it needs one per id \(1, 1-D\)"):
+        weighted(_kjt(["f"], [3], [1], weights=torch.tensor([1.0, 2.0])))
+    with pytest.raises(TypeError, match=r"weights of features .* must be floating point, got torch.int64"):
+        weighted(_kjt(["f"], [3], [1], weights=torch.tensor([1])))
+    # float64 weights are served as float32
+    assert weighted(_kjt(["f"], [3], [1], weights=torch.tensor([2.0], dtype=torch.float64))).values()[0, 0] == 2.0
+    ec = HashEmbeddingCollection(
+        tables=[HashEmbeddingConfig(name="item", embedding_dim=4, num_embeddings=8, feature_names=["hist"])],
+        device="meta",
+    )
+    unpooled = ServingEmbeddingCollection(ec, "float32")
+    unpooled.apply_version(_version("full", {"item": ([6], [6.0], [])}, "float32"))
+    with pytest.raises(ValueError, match=r"^ServingEmbeddingCollection: negative lengths in features hist \(sample 0"):
+        unpooled(_kjt(["hist"], [6], [-1, 2]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import shutil
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from serving_models import EVAL, TOLERANCE, Recommender, copy_versions, train_and_publish
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import PublicationError, list_versions
@@ -205,3 +207,21 @@ def test_bad_arguments_are_refused(tmp_path: Path, published: tuple[Path, list])
     serving = ServingModel(Recommender("cpu"), copy_versions(published, tmp_path / "pub", [0]))
     with pytest.raises(ValueError, match="interval_s must be a number > 0, got 0"):
         serving.follow(interval_s=0)
+
+
+def test_a_bad_batch_is_refused_naming_the_feature_and_the_model_keeps_serving(
+    tmp_path: Path, published: tuple[Path, list]
+) -> None:
+    serving = ServingModel(Recommender("cpu"), copy_versions(published, tmp_path / "pub", [0]))
+    good = EVAL[0]
+    before = serving(good)[1]
+    kjt = good.sparse_features
+    lengths = kjt.lengths().clone()
+    first_tag = kjt.stride()  # the keys are user, tag, history, candidate
+    lengths[first_tag + 3] = -lengths[first_tag + 3] - 1
+    bad = copy.copy(good)
+    bad.sparse_features = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=lengths)
+    msg = r"^ServingEmbeddingBagCollection: negative lengths in features tag \(sample 3:"
+    with pytest.raises(ValueError, match=msg):
+        serving(bad)
+    assert torch.equal(serving(good)[1], before)

@@ -74,16 +74,30 @@ def check_features(
         shortest = int(lengths.min())  # one reduction (a comparison mask and any() cost 4x more)
         if shortest < 0:
             raise ValueError(
-                f"{module}: the KJT of features {keys} has negative lengths (min {shortest}); lengths must be >= 0"
+                f"{module}: negative lengths in features {_negative(features)} of the KJT of features {keys}; "
+                "lengths must be >= 0"
             )
         total = int(lengths.sum())
         if total != values.numel():
+            per_key = ", ".join(f"{k}: {n}" for k, n in zip(keys, features.length_per_key(), strict=True))
             raise ValueError(
-                f"{module}: the lengths of features {keys} sum to {total} but the KJT has {values.numel()} ids"
+                f"{module}: the lengths of features {keys} sum to {total} but the KJT has {values.numel()} ids "
+                f"(lengths per feature {per_key})"
             )
     elif values.numel() != 0:
         raise ValueError(f"{module}: the KJT of features {keys} has {values.numel()} ids and no lengths")
     return features
+
+
+def _negative(features: KeyedJaggedTensor) -> str:
+    """Each feature with a negative length, its first such sample and that length (an error's words)."""
+    parts = []
+    for key, lengths in zip(features.keys(), features.lengths().split(features.stride_per_key()), strict=True):
+        negative = (lengths < 0).nonzero().view(-1)
+        if negative.numel():
+            sample = int(negative[0])
+            parts.append(f"{key} (sample {sample}: {int(lengths[sample])})")
+    return ", ".join(parts)
 
 
 def _check_weights(weights: torch.Tensor | None, num_ids: int, keys: list[str], module: str) -> None:

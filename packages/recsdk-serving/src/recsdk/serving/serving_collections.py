@@ -14,7 +14,8 @@ copied in as published. Ids a table does not hold map to ``-1``, which the kerne
 as the trained model's eval gives; MEAN bags divide by the bag's length with those ids counted,
 as :class:`~recsdk.embedding.HashEmbeddingBagCollection` does. Both work under
 ``torch.jit.script`` (a script is a snapshot: it keeps the index it was made with; script again
-after applying versions).
+after applying versions). A forward checks its batch first
+(:func:`~recsdk.serving.batch_checks.check_batch`): the kernels trust their offsets.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, PublishedVersion
+from recsdk.serving.batch_checks import check_batch
 from recsdk.serving.served_table import ServedTable
 
 __all__ = ["SPARSE_TYPES", "ServingEmbeddingBagCollection", "ServingEmbeddingCollection", "StagedVersion"]
@@ -55,6 +57,8 @@ class _ServingCollection(nn.Module):
         self.features = [f for cfg in self.configs for f in cfg.feature_names]
         self.dims = [int(cfg.embedding_dim) for cfg in self.configs for _ in cfg.feature_names]
         self.dtype = dtype
+        self._name = type(self).__name__
+        self._is_weighted = False
         self.tbe = self._kernel(dtype)
         # Every feature's slots of its table's index, end to end (a table read by several
         # features appears once per feature), and the tables that hold the id -1.
@@ -84,12 +88,14 @@ class _ServingCollection(nn.Module):
         return kernel
 
     def _rows(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
-        """The input in the collection's feature order, its offsets, and the rows of its ids
-        (``-1`` where a table does not hold the id: the kernel skips it)."""
+        """The input (checked: :func:`~recsdk.serving.batch_checks.check_batch`) in the collection's
+        feature order, its offsets (from its checked lengths), and the rows of its ids (``-1`` where
+        a table does not hold the id: the kernel skips it)."""
+        offsets = check_batch(features, self.features, self._name, self._is_weighted)
         if features.keys() != self.features:
             features = features.permute([features.keys().index(f) for f in self.features])
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths().long())
         values = features.values().long()
-        offsets = features.offsets().long()
         rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, offsets, self.index_slots, self.index_offsets)
         if self.minus_one.shape[0] > 0:  # the id -1, which the slots cannot hold
             offset_per_key = features.offset_per_key()
@@ -252,12 +258,15 @@ class ServingEmbeddingBagCollection(_ServingCollection):
         for dim in self.dims:
             starts.append(starts[-1] + dim)
         # (feature, first column, last column) of the MEAN-pooled features
-        self._mean_columns = [
+        mean_columns = [
             (f, starts[f], starts[f + 1])
             for table in self.tables
             if table.mean
             for f in range(table.first_feature, table.first_feature + len(table.features))
         ]
+        self.mean_columns: torch.Tensor  # a tensor, not a list: TorchScript cannot type an empty list
+        columns = torch.tensor(mean_columns, dtype=torch.int64).view(-1, 3)
+        self.register_buffer("mean_columns", columns, persistent=False)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pool each feature's embeddings.
@@ -271,10 +280,14 @@ class ServingEmbeddingBagCollection(_ServingCollection):
         """
         features, offsets, rows = self._rows(features)
         weights = features.weights_or_none() if self._is_weighted else None
+        if weights is not None:
+            weights = weights.float()
         pooled = self.tbe(rows, offsets, weights)
-        if len(self._mean_columns) > 0:
+        if self.mean_columns.shape[0] > 0:
             lengths = features.lengths().view(len(self.features), -1).clamp(min=1).unsqueeze(2).to(pooled.dtype)
-            for f, first, last in self._mean_columns:
+            for i in range(self.mean_columns.shape[0]):
+                column = self.mean_columns[i]
+                f, first, last = int(column[0]), int(column[1]), int(column[2])
                 pooled[:, first:last] /= lengths[f]
         return KeyedTensor(keys=self.features, length_per_key=self.dims, values=pooled)
 

@@ -126,7 +126,13 @@ class ServingModel:
         return self._kind
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """``model(*inputs, **kwargs)`` in eval mode under ``torch.no_grad()``, on one version."""
+        """``model(*inputs, **kwargs)`` in eval mode under ``torch.no_grad()``, on one version.
+
+        Raises:
+            ValueError, TypeError: a serving collection refused its batch (see
+                :func:`~recsdk.serving.batch_checks.check_batch`; the features and the numbers
+                named); nothing changed and no FBGEMM kernel ran on it.
+        """
         with self._lock.reading(), torch.no_grad():
             return self.model(*inputs, **kwargs)
 
