@@ -9,6 +9,8 @@ computed here, :func:`output_recat`).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -16,7 +18,11 @@ from typing import Any
 
 import torch
 from torchrec.distributed.dist_data import _get_recat
+from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+from torchrec.distributed.planner.shard_estimators import calculate_shard_storages
+from torchrec.distributed.planner.types import SharderData, Storage
+from torchrec.distributed.types import StorageUsageType, compute_storage_usage
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
 __all__ = [
@@ -237,3 +243,52 @@ def user_sharding_plan(module: Any, plan: Mapping[str, Any]) -> Any:
     stores' rows are.
     """
     return {name: plan[name] for name in module.module_sharding_plan}
+
+
+# ---- TorchRec 1.6
+#
+# recsdk pins TorchRec 1.8; the lent GPU machine runs TorchRec 1.6.1 (the release built for its
+# torch). Each shim below is keyed on the feature it stands in for and does exactly what it did
+# before on 1.8.
+
+__all__ += ["base_shard_storages", "init_ec_context"]
+
+# TorchRec 1.8's calculate_shard_storages takes ``sharder_data`` (a picklable SharderData); 1.6
+# takes the ``sharder`` itself and reads only its ``storage_usage``.
+_STORAGES_TAKE_SHARDER_DATA = "sharder_data" in inspect.signature(calculate_shard_storages).parameters
+
+
+class _BaseStorageSharder:
+    """The part of a sharder TorchRec 1.6's ``calculate_shard_storages`` reads, with the rule 1.8
+    applies for ``StorageUsageType.BASE``."""
+
+    def storage_usage(self, tensor: torch.Tensor, compute_device_type: str, compute_kernel: str) -> dict[str, int]:
+        return compute_storage_usage(tensor, compute_device_type, compute_kernel, StorageUsageType.BASE)
+
+
+def base_shard_storages(**kwargs: Any) -> list[Storage]:
+    """``calculate_shard_storages(**kwargs)`` with the base storage rule (no fused params, no
+    quantized comms): ``sharder_data=SharderData(..., StorageUsageType.BASE)`` on TorchRec 1.8, a
+    sharder with that rule on 1.6."""
+    if _STORAGES_TAKE_SHARDER_DATA:
+        kwargs["sharder_data"] = SharderData(
+            fused_params={}, qcomm_dtype_sizes={}, storage_usage_type=StorageUsageType.BASE
+        )
+    else:  # TorchRec 1.6
+        kwargs["sharder"] = _BaseStorageSharder()
+    return calculate_shard_storages(**kwargs)
+
+
+# TorchRec 1.8's EmbeddingCollectionContext is a dataclass: a dataclass subclass's __init__ fills
+# its fields (sharding_contexts, input_features, ...). 1.6's is a plain class whose own __init__,
+# which that generated __init__ never calls, makes them.
+_EC_CONTEXT_IS_DATACLASS = dataclasses.is_dataclass(EmbeddingCollectionContext)
+
+
+def init_ec_context(ctx: EmbeddingCollectionContext) -> None:
+    """Give ``ctx``, of a dataclass subclass of TorchRec's ``EmbeddingCollectionContext``, the
+    attributes TorchRec's constructor makes; call from its ``__post_init__``. Nothing on 1.8."""
+    if _EC_CONTEXT_IS_DATACLASS:
+        return
+    for name, value in vars(EmbeddingCollectionContext()).items():  # TorchRec 1.6: its defaults
+        ctx.__dict__.setdefault(name, value)

@@ -13,6 +13,8 @@ import torch
 from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
 
+from recsdk.sharding._torchrec_compat import init_ec_context
+
 __all__ = [
     "CachedRows",
     "HashEmbeddingBagCollectionContext",
@@ -84,3 +86,6 @@ class HashEmbeddingCollectionContext(EmbeddingCollectionContext, HostStageState)
     """
 
     padded: bool = False
+
+    def __post_init__(self) -> None:
+        init_ec_context(self)  # TorchRec 1.6's base fields (its context is no dataclass); nothing on 1.8

@@ -103,16 +103,11 @@ from dataclasses import dataclass
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.perf_models import NoopPerfModel
-from torchrec.distributed.planner.shard_estimators import (
-    EmbeddingPerfEstimator,
-    calculate_shard_storages,
-    get_num_poolings,
-)
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, get_num_poolings
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     Perf,
     PerfModel,
-    SharderData,
     ShardEstimator,
     ShardingOption,
     Topology,
@@ -122,11 +117,11 @@ from torchrec.distributed.types import (
     KeyValueParams,
     ParameterSharding,
     ShardingType,
-    StorageUsageType,
 )
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
+from recsdk.sharding._torchrec_compat import base_shard_storages
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 
 __all__ = [
@@ -389,8 +384,7 @@ def fused_row_bytes(option: ShardingOption, shard_rows: Sequence[int], *, is_inf
         shard_rows (Sequence[int]): rows of each shard.
         is_inference (bool): no optimizer state.
     """
-    storages = calculate_shard_storages(
-        sharder_data=SharderData(fused_params={}, qcomm_dtype_sizes={}, storage_usage_type=StorageUsageType.BASE),
+    storages = base_shard_storages(  # TorchRec's calculate_shard_storages, base storage rule
         sharding_type=option.sharding_type,
         tensor=option.tensor,
         compute_device="cuda",  # where TorchRec puts a fused table's rows: all in hbm
