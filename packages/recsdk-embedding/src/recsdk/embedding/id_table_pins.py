@@ -51,9 +51,9 @@ class IdTablePins:
         """
         flat = self._as_rows(rows, "unpin", allow_missing=True)
         idx = self._add_pins(flat, -1)
-        below = (self._pins_buf.index_select(0, idx) < 0).nonzero().squeeze(1)
-        if below.numel():
-            row = int(flat[below[0]])
+        counts = self._pins_buf.index_select(0, idx)
+        if idx.numel() and int(counts.min()) < 0:
+            row = int(flat[(counts < 0).nonzero()[0, 0]])
             self._add_pins(flat, 1)
             raise ValueError(
                 f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Multistreamable
 
 from recsdk.sharding._torchrec_compat import init_ec_context
 
@@ -21,6 +24,7 @@ __all__ = [
     "HashEmbeddingCollectionContext",
     "HostStageState",
     "new_batch_token",
+    "record_device_tensors",
 ]
 
 _TOKENS = itertools.count()
@@ -32,6 +36,40 @@ CachedRows = dict[str, tuple[list[tuple[int, int]], torch.Tensor]]
 def new_batch_token() -> int:
     """A process-unique token for one batch (the row ledger's key)."""
     return next(_TOKENS)
+
+
+def record_device_tensors(obj: Any, stream: torch.Stream) -> None:
+    """Mark every accelerator tensor that ``obj`` holds as used by ``stream`` (``record_stream``).
+
+    TorchRec's pipelines call a context's ``record_stream`` when a batch moves to another
+    stream, and TorchRec's contexts record every tensor they hold, assuming all are on the
+    device. A host-staged module's contexts also hold host tensors (the received raw ids, the
+    id all-to-all's permutations), which ``record_stream`` refuses; so its contexts record
+    only their device tensors, found by walking the context: its attributes, lists, tuples,
+    dicts, KJTs and nested contexts.
+
+    Args:
+        obj (Any): a context (or anything it holds).
+        stream (torch.Stream): the stream that uses the tensors.
+    """
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.device.type != "cpu":
+                item.record_stream(stream)
+        elif isinstance(item, KeyedJaggedTensor):
+            todo += [item.values(), item.lengths_or_none(), item.offsets_or_none(), item.weights_or_none()]
+        elif isinstance(item, (list, tuple)):
+            todo += list(item)
+        elif isinstance(item, dict):
+            todo += list(item.values())
+        elif isinstance(item, (Multistreamable, HostStageState)):
+            todo += list(vars(item).values())
 
 
 @dataclass
@@ -75,6 +113,9 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext, HostStage
 
     bag_lengths: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def record_stream(self, stream: torch.Stream) -> None:
+        record_device_tensors(self, stream)  # the received ids stay on the host
+
 
 @dataclass
 class HashEmbeddingCollectionContext(EmbeddingCollectionContext, HostStageState):
@@ -89,3 +130,6 @@ class HashEmbeddingCollectionContext(EmbeddingCollectionContext, HostStageState)
 
     def __post_init__(self) -> None:
         init_ec_context(self)  # TorchRec 1.6's base fields (its context is no dataclass); nothing on 1.8
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        record_device_tensors(self, stream)  # the received ids stay on the host

@@ -25,7 +25,7 @@ from torchrec.distributed.types import LazyAwaitable, ParameterSharding
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.embedding import init_rows_
+from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
@@ -38,6 +38,7 @@ from recsdk.sharding.output_dist import FlagCarrier
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.row_store import create_store
+from recsdk.sharding.table_workers import TableWorkers, default_host_threads
 from recsdk.sharding.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 
 __all__ = ["HostShards"]
@@ -65,6 +66,8 @@ class HostShards:
             cached table's kernel was built from a copy with the cache's rows).
         cached (dict[str, TableCacheSpec]): the tables with a device cache over a row store.
         module_fqn (str | None): the module's name in the model (the file stores' names).
+        host_threads (int | None): how many tables of a batch the host stage maps at once
+            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class HostShards:
         configs: dict[str, BaseEmbeddingConfig],
         cached: dict[str, TableCacheSpec],
         module_fqn: str | None = None,
+        host_threads: int | None = None,
     ) -> None:
         self.host_pg = host_pg
         self.configs = dict(configs)
@@ -95,8 +99,11 @@ class HostShards:
         self._device = device
         self._host_adam = host_adam
         lazy = [n for n, spec in cached.items() if spec.store == "file"]
-        self.stage = IdMappingStage.for_shards(compat.local_shards(module), self.configs, plan, rank, first_use=lazy)
-        self.ledger = RowLedger(self.stage.id_tables, self.stage.lock)
+        threads = host_threads if host_threads is not None else default_host_threads(device)
+        self.stage = IdMappingStage.for_shards(
+            compat.local_shards(module), self.configs, plan, rank, first_use=lazy, workers=TableWorkers(threads)
+        )
+        self.ledger = RowLedger(self.stage.id_tables, self.stage.lock, self.stage.workers)
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
         # The inline agreement's flag rides in the pooled output dists' all-to-alls where they can
         # carry it (gloo), instead of an all-reduce per batch; the same on every rank (the plan).
@@ -297,15 +304,18 @@ class HostShards:
         """Tell the change trackers (publishing) the rows this training batch changes: its rows, and
         row 0 of every table when unpooled ids without a row look it up (the optimizer sees it)."""
         missing = any(m is not None for m in ctx.missing)
-        for name, table in self.stage.id_tables.items():
-            changes = table.changes
-            if changes is None:
-                continue
+
+        def stamp(item: tuple[str, IdTable]) -> None:
+            name, table = item
+            assert table.changes is not None
             rows = ctx.batch_rows.get(name)
             if rows is not None:
-                changes.changed(rows)
+                table.changes.changed(rows)
             if missing:
-                changes.changed(torch.zeros(1, dtype=torch.int64))
+                table.changes.changed(torch.zeros(1, dtype=torch.int64))
+
+        tracked = [(name, t) for name, t in self.stage.id_tables.items() if t.changes is not None]
+        self.stage.workers.run_all(stamp, tracked)  # the tables at once
 
     def read_rows(self, table: str, rows: torch.Tensor) -> torch.Tensor:
         """The current weights of ``rows`` (the id table's rows) of a local table, ``[n, dim]``;

@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsdk.embedding import IdTable, TableFullError
 from recsdk.embedding.hash_tables import click_tables
 from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.table_workers import TableWorkers
 
 __all__ = ["IdMappingStage", "MappedBatch", "ShardInfo"]
 
@@ -41,6 +42,21 @@ class ShardInfo:
     num_embeddings: int
     sharding_type: str
     rank: int
+
+
+class _TableRows:
+    """One table's share of a batch, mapped: its rows (``-1``: no row), whether every id has one,
+    and in training the rows its admitted ids hold and the rows the mapping took from evicted ids."""
+
+    __slots__ = ("admitted", "found", "reassigned", "rows")
+
+    def __init__(self, rows: torch.Tensor, reassigned: torch.Tensor | None = None) -> None:
+        self.rows = rows
+        self.found = rows.numel() == 0 or int(rows.min()) >= 0
+        self.reassigned = reassigned
+        self.admitted: torch.Tensor | None = None
+        if reassigned is not None:
+            self.admitted = rows if self.found else torch.masked_select(rows, rows >= 0)
 
 
 @dataclass
@@ -78,6 +94,8 @@ class IdMappingStage:
         feature_to_table (Mapping[str, str]): feature name -> table name.
         ledger_lock (threading.RLock | None): the lock to guard the tables with (a new one if None).
         clicks (Iterable[str]): the tables that score clicks (read from the KJTs' weights).
+        workers (TableWorkers | None): the threads that map a batch's tables at once (None: one,
+            the calling thread).
 
     Example::
 
@@ -93,8 +111,10 @@ class IdMappingStage:
         feature_to_table: Mapping[str, str],
         ledger_lock: threading.RLock | None = None,
         clicks: Iterable[str] = (),
+        workers: TableWorkers | None = None,
     ) -> None:
         self._tables = id_tables
+        self._workers = workers if workers is not None else TableWorkers(1)
         self._click_tables = list(clicks)
         self._clicks = frozenset(self._click_tables)
         self._shards = dict(shards)
@@ -109,6 +129,7 @@ class IdMappingStage:
         plan: Mapping[str, ParameterSharding],
         rank: int,
         first_use: Iterable[str] = (),
+        workers: TableWorkers | None = None,
     ) -> IdMappingStage:
         """A stage with one id table per local shard, sized to the shard's rows in ``plan``, with
         the table's admission and eviction (hash configs) or none (plain configs).
@@ -121,6 +142,7 @@ class IdMappingStage:
             rank (int): this rank.
             first_use (Iterable[str]): tables whose rows are initialised at first use (their id
                 tables report first-use rows as reassigned: ``IdTable(report_first_use=True)``).
+            workers (TableWorkers | None): the threads that map a batch's tables at once.
         """
         _check_layout(configs, plan)
         lazy = set(first_use)
@@ -138,7 +160,7 @@ class IdMappingStage:
                 report_first_use=table.name in lazy,
             )
         feature_to_table = {f: c.name for c in configs.values() for f in c.feature_names}
-        return cls(id_tables, infos, feature_to_table, clicks=click_tables(list(configs.values())))
+        return cls(id_tables, infos, feature_to_table, clicks=click_tables(list(configs.values())), workers=workers)
 
     @property
     def id_tables(self) -> dict[str, IdTable]:
@@ -153,6 +175,11 @@ class IdMappingStage:
     def table_of(self, feature: str) -> str:
         """The table a feature looks up."""
         return self._feature_to_table[feature]
+
+    @property
+    def workers(self) -> TableWorkers:
+        """The threads that map a batch's tables at once."""
+        return self._workers
 
     @property
     def lock(self) -> threading.RLock:
@@ -240,37 +267,38 @@ class IdMappingStage:
         for i, key in enumerate(keys):
             if length_per_key[i] > 0:
                 segments.setdefault(self._feature_to_table[key], []).append((starts[i], starts[i + 1]))
+        weights = kjt.weights_or_none()
+
+        def map_table(item: tuple[str, list[tuple[int, int]]]) -> _TableRows:
+            name, segs = item
+            ids = _gathered(values, segs)
+            if not training:
+                return _TableRows(self._tables[name].find(ids))
+            clicks = _gathered(weights, segs) if weights is not None and name in self._clicks else None
+            table_rows = self._find_or_insert(name, ids, clicks)
+            return _TableRows(table_rows, self._tables[name].take_reassigned_rows())
+
+        with self._lock:
+            outcomes = self._workers.run(map_table, list(segments.items()))
         found_all = True  # every id has a row (the steady state: no mask, no compaction)
         rows_of: dict[str, torch.Tensor] = {}
-        weights = kjt.weights_or_none()
-        with self._lock:
-            for name, segs in segments.items():
-                ids = _gathered(values, segs)
-                if training:
-                    clicks = _gathered(weights, segs) if weights is not None and name in self._clicks else None
-                    table_rows = self._find_or_insert(name, ids, clicks)
-                    called.add(name)
-                else:
-                    table_rows = self._tables[name].find(ids)
-                table_found = int(table_rows.min()) >= 0
-                found_all = found_all and table_found
-                if training:
-                    reassigned = self._tables[name].take_reassigned_rows()
-                    if reassigned.numel() > 0:
-                        reused.setdefault(name, []).append(reassigned)
-                    admitted = table_rows if table_found else table_rows[table_rows >= 0]
-                    if admitted.numel() > 0:
-                        used.setdefault(name, []).append(admitted)
-                rows_of[name] = table_rows
-        if len(segments) == 1 and len(next(iter(segments.values()))) == 1:  # one table's ids, in one piece
-            rows = next(iter(rows_of.values()))
-        else:
-            rows = torch.empty(values.numel(), dtype=torch.int64)
-            for name, segs in segments.items():
-                offset = 0
-                for a, b in segs:
-                    rows[a:b] = rows_of[name][offset : offset + (b - a)]
-                    offset += b - a
+        error: Exception | None = None
+        for name, outcome in zip(segments, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                error = error or outcome  # raised once every table's reassigned rows are owed
+                continue
+            table_rows = outcome.rows
+            found_all = found_all and outcome.found
+            if outcome.reassigned is not None and outcome.admitted is not None:  # training
+                called.add(name)
+                if outcome.reassigned.numel() > 0:
+                    reused.setdefault(name, []).append(outcome.reassigned)
+                if outcome.admitted.numel() > 0:
+                    used.setdefault(name, []).append(outcome.admitted)
+            rows_of[name] = table_rows
+        if error is not None:
+            raise error
+        rows = _in_value_order(rows_of, segments)
         lengths = kjt.lengths()
         weights = kjt.weights_or_none()
         if found_all:
@@ -279,10 +307,9 @@ class IdMappingStage:
             keep = rows >= 0
             if pooled:
                 absent = None
-                bags = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.to(torch.int64))
-                lengths = torch.bincount(bags[keep], minlength=lengths.numel()).to(lengths.dtype)
-                rows = rows[keep]
-                weights = weights[keep] if weights is not None else None
+                lengths = _kept_lengths(kjt.offsets(), keep, lengths.dtype)
+                rows = torch.masked_select(rows, keep)  # a third of indexing by the mask's time
+                weights = torch.masked_select(weights, keep) if weights is not None else None
             else:
                 absent = ~keep
                 rows = rows.masked_fill(absent, 0)
@@ -338,6 +365,35 @@ def _check_layout(configs: Mapping[str, BaseEmbeddingConfig], plan: Mapping[str,
                     f"of a hash table needs rows for the ids its rank owns: raise num_embeddings to at least "
                     f"{len(spec.shards)}, or shard the table table-wise"
                 )
+
+
+def _in_value_order(rows_of: dict[str, torch.Tensor], segments: dict[str, list[tuple[int, int]]]) -> torch.Tensor:
+    """Each table's rows put back where its ids were: ``segments[name]`` are the ``[start, end)``
+    ranges of the values that ``rows_of[name]`` maps, in order; together they cover the values.
+    One copy (none when one table's ids are all of them)."""
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for name, segs in segments.items():
+        table_rows, offset = rows_of[name], 0
+        for a, b in segs:
+            pieces.append((a, table_rows[offset : offset + (b - a)]))
+            offset += b - a
+    if len(pieces) == 1:
+        return pieces[0][1]
+    pieces.sort(key=lambda piece: piece[0])
+    return torch.cat([piece for _, piece in pieces])
+
+
+def _kept_lengths(offsets: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bag lengths once the values where ``keep`` is False are dropped: each bag loses the
+    dropped values between its offsets (a running count of dropped values, read at the offsets).
+
+    Args:
+        offsets (torch.Tensor): the bags' offsets ``[bags + 1]`` into the values.
+        keep (torch.Tensor): bool ``[values]``.
+        dtype (torch.dtype): the lengths' dtype.
+    """
+    dropped = torch.ops.fbgemm.asynchronous_complete_cumsum((~keep).to(offsets.dtype))  # [values + 1]
+    return (offsets - dropped.index_select(0, offsets)).diff().to(dtype)
 
 
 def _gathered(values: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:

@@ -47,8 +47,11 @@ def bucketize_by_owner(kjt: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTe
 def bucketize_by_owner_with_permute(kjt: KeyedJaggedTensor, world_size: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
     """:func:`bucketize_by_owner`, and where each id went: ``bucketed.values()[permute[i]]`` is
     ``kjt.values()[i]`` (TorchRec's ``unbucketize_permute_tensor``, which puts a sequence
-    module's embeddings back in input order).
+    module's embeddings back in input order). With one owner the KJT is its own bucket: it is
+    returned as it is, with the identity permutation.
     """
+    if world_size == 1:
+        return kjt, torch.arange(kjt.values().numel(), device=kjt.values().device)
     lengths = kjt.lengths().view(-1)
     values = kjt.values()
     weights = kjt.weights_or_none()

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from recsdk.embedding import IdTable
+from recsdk.sharding.table_workers import TableWorkers
 
 __all__ = ["RowLedger"]
 
@@ -47,6 +48,8 @@ class RowLedger:
     Args:
         tables (Mapping[str, IdTable]): this rank's id tables by table name (pins go there).
         lock (threading.RLock): the lock that guards those tables (the host stage's).
+        workers (TableWorkers | None): the threads that pin and unpin the tables at once (None:
+            the calling thread).
 
     Example::
 
@@ -57,9 +60,12 @@ class RowLedger:
         resets = ledger.start_compute(ctx.token)
     """
 
-    def __init__(self, tables: Mapping[str, IdTable], lock: threading.RLock) -> None:
+    def __init__(
+        self, tables: Mapping[str, IdTable], lock: threading.RLock, workers: TableWorkers | None = None
+    ) -> None:
         self._tables = tables
         self._lock = lock
+        self._workers = workers if workers is not None else TableWorkers(1)
         self._held: dict[int, Rows] = {}
         self._owed: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._owed_next: dict[str, list[torch.Tensor]] = {}  # by whichever batch computes next
@@ -74,23 +80,20 @@ class RowLedger:
         """Batch ``token``, mapped ahead, uses ``rows``: pin them until it has computed."""
         with self._lock:
             held = {n: r for n, r in rows.items() if r.numel() > 0 and self._tables[n].eviction is not None}
-            for name, r in held.items():
-                self._tables[name].pin(r)
+            self._each_table("pin", held)
             self._held[token] = held
 
     def release(self, token: int) -> None:
         """Batch ``token`` will never compute: unpin its rows; its resets go to the next compute."""
         with self._lock:
-            for name, rows in self._held.pop(token, {}).items():
-                self._tables[name].unpin(rows)
+            self._each_table("unpin", self._held.pop(token, {}))
             for name, chunks in self._owed.pop(token, {}).items():
                 self._owed_next.setdefault(name, []).extend(chunks)
 
     def release_finished(self) -> None:
         """The computing batch's backward is done: its rows may be evicted again."""
         with self._lock:
-            for name, rows in self._computing.items():
-                self._tables[name].unpin(rows)
+            self._each_table("unpin", self._computing)
             self._computing = {}
 
     def start_compute(self, token: int) -> Rows:
@@ -107,6 +110,10 @@ class RowLedger:
             for name, own in self._owed.pop(token, {}).items():
                 chunks.setdefault(name, []).extend(own)
         return {name: torch.unique(torch.cat(c)) for name, c in chunks.items()}
+
+    def _each_table(self, op: str, rows: Rows) -> None:
+        """``IdTable.pin`` or ``unpin`` of each table's rows, the tables at once on the workers."""
+        self._workers.run_all(lambda item: getattr(self._tables[item[0]], op)(item[1]), list(rows.items()))
 
     def owed_resets(self) -> Rows:
         """Per table, every row still owed a reset (by batches in flight, failed or dropped)."""

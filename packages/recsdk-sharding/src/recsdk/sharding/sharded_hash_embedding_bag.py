@@ -57,6 +57,8 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         host_env (ShardingEnv): the host env; its group must be gloo.
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingBagCollection``.
+        host_threads (int | None): how many tables of a batch the host stage maps at once
+            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         device: torch.device | None = None,
         qcomm_codecs_registry: dict[str, Any] | None = None,
         module_fqn: str | None = None,
+        host_threads: int | None = None,
     ) -> None:
         check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingBagCollection")
         # Inputs of the base constructor's hooks (create_embedding_bag_sharding and
@@ -114,6 +117,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             configs={c.name: c for c in module.embedding_bag_configs()},
             cached=cached,
             module_fqn=module_fqn,
+            host_threads=host_threads,
         )
 
     # ---- TorchRec's hooks

@@ -50,6 +50,8 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         host_env (ShardingEnv): the host env; its group must be gloo.
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingCollection``.
+        host_threads (int | None): how many tables of a batch the host stage maps at once
+            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         device: torch.device | None = None,
         qcomm_codecs_registry: dict[str, Any] | None = None,
         module_fqn: str | None = None,
+        host_threads: int | None = None,
     ) -> None:
         check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingCollection")
         # Inputs of the base constructor's hooks (create_embedding_sharding and
@@ -103,6 +106,7 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
             configs={c.name: c for c in module.embedding_configs()},
             cached=cached,
             module_fqn=module_fqn,
+            host_threads=host_threads,
         )
 
     # ---- TorchRec's hooks

@@ -22,6 +22,7 @@ from recsdk.sharding.cache_plan import CACHED_KERNELS
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
+from recsdk.sharding.table_workers import TableWorkers
 
 __all__ = [
     "HashEmbeddingBagCollectionSharder",
@@ -63,7 +64,8 @@ class _HostSharder:
     kernel (``compute_kernel="fused"``) on every device type, CPU included. The kernel's rows
     come from the id tables (or a cache's slots), never from the user, so FBGEMM's per-batch
     bounds check of them is off (``bounds_check_mode=BoundsCheckMode.NONE``) unless
-    ``fused_params`` sets one.
+    ``fused_params`` sets one. ``host_threads`` tables of a batch are mapped at once (default:
+    :func:`~recsdk.sharding.table_workers.default_host_threads` of the module's device).
     """
 
     fused_params: dict[str, Any] | None
@@ -75,8 +77,12 @@ class _HostSharder:
         host_env: ShardingEnv,
         fused_params: dict[str, Any] | None = None,
         qcomm_codecs_registry: dict[str, Any] | None = None,
+        host_threads: int | None = None,
     ) -> None:
         validate_host_env(host_env)
+        if host_threads is not None:
+            TableWorkers(host_threads)  # checked here, before anything is sharded
+        self._host_threads = host_threads
         fused_params = {"bounds_check_mode": BoundsCheckMode.NONE, **(fused_params or {})}
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)  # type: ignore[call-arg]
         self._host_env = host_env
@@ -102,6 +108,7 @@ class _HostSharder:
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
+            host_threads=self._host_threads,
         )
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
@@ -227,7 +234,7 @@ class HybridEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
 
 def get_default_hybrid_sharders(
-    host_env: ShardingEnv, fused_params: dict[str, Any] | None = None
+    host_env: ShardingEnv, fused_params: dict[str, Any] | None = None, host_threads: int | None = None
 ) -> list[ModuleSharder[torch.nn.Module]]:
     """The sharders to pass to the planner and to ``DistributedModelParallel``.
 
@@ -241,6 +248,9 @@ def get_default_hybrid_sharders(
         host_env (ShardingEnv): env over a gloo group for the host id work, e.g.
             ``ShardingEnv(world_size, rank, pg=dist.new_group(backend="gloo"))``.
         fused_params (dict | None): fused kernel parameters for every sharder.
+        host_threads (int | None): how many tables of a batch the hash modules map at once
+            (``None``: one on a CPU device, else this process's share of the host's cores, at
+            most 8; see :func:`~recsdk.sharding.table_workers.default_host_threads`).
 
     Returns:
         list[ModuleSharder]: the sharders.
@@ -254,8 +264,8 @@ def get_default_hybrid_sharders(
     """
     validate_host_env(host_env)
     return [
-        HashEmbeddingBagCollectionSharder(host_env, fused_params=fused_params),  # type: ignore[list-item]
-        HashEmbeddingCollectionSharder(host_env, fused_params=fused_params),  # type: ignore[list-item]
+        HashEmbeddingBagCollectionSharder(host_env, fused_params=fused_params, host_threads=host_threads),  # type: ignore[list-item]
+        HashEmbeddingCollectionSharder(host_env, fused_params=fused_params, host_threads=host_threads),  # type: ignore[list-item]
         HybridEmbeddingBagCollectionSharder(fused_params=fused_params),  # type: ignore[list-item]
         EmbeddingCollectionSharder(fused_params=fused_params),  # type: ignore[list-item]
     ]
