@@ -45,10 +45,12 @@ __all__ = [
     "DLRM",
     "NUM_DENSE",
     "Pipelined",
+    "device_of",
     "embedding_collection",
     "feature_names",
     "fill_hash_tables",
     "host_env",
+    "launch",
     "random_batches",
     "remap_ids",
     "set_threads",
@@ -165,8 +167,9 @@ def shard(
     embeddings: nn.Module | None = None,
     enumerator: Literal["torchrec", "hybrid"] = "torchrec",
     sparse_optimizer: type[torch.optim.Optimizer] = torch.optim.Adagrad,
+    device: torch.device | None = None,
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
-    """Shard ``model`` over the world on CPU and build its optimizer.
+    """Shard ``model`` over the world on ``device`` (CPU by default) and build its optimizer.
 
     Adagrad (lr 0.05, eps 0.1; or ``sparse_optimizer``, e.g. TorchRec's ``RowWiseAdagrad``) is
     fused into the backward of the embedding tables; the planner
@@ -187,6 +190,8 @@ def shard(
             constraints checked against the sharders).
         sparse_optimizer (type[torch.optim.Optimizer]): the optimizer fused into the tables'
             backward, with the same lr and eps.
+        device (torch.device | None): where the tables and the dense part live (the world's
+            default group runs that device's backend: nccl for CUDA); ``None``: the CPU.
 
     Returns:
         tuple[DistributedModelParallel, CombinedOptimizer]: the sharded model and its optimizer.
@@ -195,7 +200,8 @@ def shard(
     if not isinstance(tables, nn.Module):
         raise TypeError(f"shard: the embeddings must be a module, got {type(tables).__name__}")
     apply_optimizer_in_backward(sparse_optimizer, tables.parameters(), dict(SPARSE_OPTIMIZER))
-    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
+    device = device or torch.device("cpu")
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
     planner: EmbeddingShardingPlanner
     if enumerator == "hybrid":
         planner = HybridEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, constraints=constraints)
@@ -204,7 +210,7 @@ def shard(
     else:
         raise ValueError(f"shard: enumerator must be 'torchrec' or 'hybrid', got {enumerator!r}")
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=DENSE_LR),
@@ -289,6 +295,38 @@ def fill_hash_tables(dmp: nn.Module, ids_per_table: int, rank: int, world_size: 
             views[name].weight[: ids.numel()].copy_(torch.rand(ids.numel(), views[name].weight.shape[1], generator=gen))
         stored[name] = ids
     return stored
+
+
+def launch(fn: Any, world_size: int, device: str, *args: Any, timeout_s: float = 1200.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank and return each rank's result.
+
+    ``device="cpu"``: ``world_size`` processes over gloo (``run_distributed``). ``"cuda"``: one
+    rank, in this process, over nccl (one GPU; two ranks on one GPU fail in nccl), with the
+    host groups the hybrid sharders need created by ``fn`` over gloo as on CPU.
+    """
+    if device == "cpu":
+        from recsdk.data.testing import run_distributed
+
+        return run_distributed(fn, world_size, *args, timeout_s=timeout_s)
+    if device != "cuda" or world_size != 1:
+        raise ValueError(f"launch: device must be 'cpu', or 'cuda' with world_size 1, got {device!r} x {world_size}")
+    import os
+    from datetime import timedelta
+
+    from recsdk.data.testing import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    try:
+        return [fn(0, 1, *args)]
+    finally:
+        dist.destroy_process_group()
+
+
+def device_of(name: str) -> torch.device:
+    """The lookup device of a benchmark's ``--device``: ``cpu``, or the process's current GPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def slowest_rank_seconds(fn: Any) -> float:

@@ -62,9 +62,11 @@ from _common import (
     DLRM,
     SPARSE_OPTIMIZER,
     Pipelined,
+    device_of,
     embedding_collection,
     feature_names,
     host_env,
+    launch,
     random_batches,
     remap_ids,
     set_threads,
@@ -84,7 +86,6 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import (
     HybridEmbeddingEnumerator,
@@ -97,6 +98,7 @@ LAYOUTS = {"hash_rw": ("hash", "row_wise"), "hash_tw": ("hash", "table_wise")}
 LAYOUTS |= {"torchrec_tw": ("torchrec", "table_wise"), "torchrec_rw": ("torchrec", "row_wise")}
 DTYPES = {"hash_tw_fp32": DataType.FP32, "hash_tw_fp16": DataType.FP16}  # table-wise, RowWiseAdagrad
 PICKS = {"hash_pick": "hash", "torchrec_pick": "torchrec"}
+ALL_VARIANTS = [*LAYOUTS, *DTYPES, *PICKS, "torchrec_mch"]
 
 
 def _datasets(args: argparse.Namespace, world_size: int) -> list[list[Batch]]:
@@ -124,21 +126,27 @@ def _model(
     return DLRM(embedding_collection(configs), features, args.dim), configs
 
 
+def _sharders(args: argparse.Namespace, host: ShardingEnv) -> list[Any]:
+    return get_default_hybrid_sharders(host_env=host, host_threads=args.host_threads)
+
+
 def _build(variant: str, args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, Any]:
+    device = device_of(args.device)
     if variant in DTYPES:
         model, configs = _model("hash", args, DTYPES[variant])
         constraints = {c.name: ParameterConstraints(sharding_types=["table_wise"]) for c in configs}
-        sharders = get_default_hybrid_sharders(host_env=host)
-        return shard(model, sharders, constraints, args.batch_size, sparse_optimizer=RowWiseAdagrad)
+        return shard(
+            model, _sharders(args, host), constraints, args.batch_size, sparse_optimizer=RowWiseAdagrad, device=device
+        )
     if variant not in LAYOUTS:
         raise ValueError(variant)
     kind, sharding = LAYOUTS[variant]
     model, configs = _model(kind, args)
     constraints = {c.name: ParameterConstraints(sharding_types=[sharding]) for c in configs}
-    return shard(model, get_default_hybrid_sharders(host_env=host), constraints, args.batch_size)
+    return shard(model, _sharders(args, host), constraints, args.batch_size, device=device)
 
 
-def _row_bytes(model: nn.Module) -> int:
+def _row_bytes(model: nn.Module, host: ShardingEnv) -> int:
     """Bytes of the embedding rows the fused kernels hold on all ranks (weights, no optimizer state)."""
     mine = sum(
         views.weight.numel() * views.weight.element_size()
@@ -146,7 +154,7 @@ def _row_bytes(model: nn.Module) -> int:
         for views in module.table_views().values()
     )
     total = torch.tensor([mine], dtype=torch.int64)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=host.process_group)  # a CPU tensor: the host (gloo) group
     return int(total)
 
 
@@ -158,7 +166,7 @@ def _plan_unconstrained(kind: str, args: argparse.Namespace, host: ShardingEnv, 
     TorchRec's perf model) or ``"torchrec"`` (TorchRec's enumerator, estimator and perf model).
     """
     model, _ = _model(kind, args)
-    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu")
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device_of(args.device).type)
     sharding_planner: EmbeddingShardingPlanner
     if planner == "recsdk":
         sharding_planner = HybridEmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size)
@@ -169,7 +177,7 @@ def _plan_unconstrained(kind: str, args: argparse.Namespace, host: ShardingEnv, 
         )
     else:
         sharding_planner = EmbeddingShardingPlanner(topology=topology, batch_size=args.batch_size)
-    return sharding_planner.collective_plan(model, get_default_hybrid_sharders(host_env=host), dist.GroupMember.WORLD)
+    return sharding_planner.collective_plan(model, _sharders(args, host), dist.GroupMember.WORLD)
 
 
 def _shard_with_plan(
@@ -178,8 +186,7 @@ def _shard_with_plan(
     """As ``_common.shard``, with a given plan."""
     model, _ = _model(kind, args)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), dict(SPARSE_OPTIMIZER))
-    sharders = get_default_hybrid_sharders(host_env=host)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device_of(args.device), plan=plan, sharders=_sharders(args, host))
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=DENSE_LR),
@@ -236,12 +243,11 @@ def _build_mch(args: argparse.Namespace, host: ShardingEnv) -> tuple[nn.Module, 
     return shard(model, sharders, {c.name: row_wise for c in configs}, args.batch_size)
 
 
-def _pipelined(model: nn.Module, optimizer: Any, batches: list[Batch]) -> Pipelined:
+def _pipelined(model: nn.Module, optimizer: Any, batches: list[Batch], device: torch.device) -> Pipelined:
     """The seed's flow: recsdk's pipeline for the hash models, TorchRec's for TorchRec's."""
-    cpu = torch.device("cpu")
     if sharded_hash_modules(model):
-        return Pipelined(HybridTrainPipelineSparseDist(model, optimizer, cpu), batches)
-    return Pipelined(TrainPipelineSparseDist(model, optimizer, cpu), batches)
+        return Pipelined(HybridTrainPipelineSparseDist(model, optimizer, device), batches)
+    return Pipelined(TrainPipelineSparseDist(model, optimizer, device), batches)
 
 
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -252,17 +258,17 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     data = {"hash": raw[rank], "torchrec": remapped[rank]}
     runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {}
     layouts: dict[str, dict[str, str]] = {}
-    for name in ("hash_rw", "hash_tw", "torchrec_tw", "torchrec_rw"):
+    for name in [n for n in LAYOUTS if n in args.variants]:
         model, optimizer = _build(name, args, host)
         runs[name] = (model, optimizer, data[LAYOUTS[name][0]])
         layouts[name] = _layout(model.plan)
     row_bytes: dict[str, int] = {}
-    for name in DTYPES:
+    for name in [n for n in DTYPES if n in args.variants]:
         model, optimizer = _build(name, args, host)
         runs[name] = (model, optimizer, data["hash"])
-        row_bytes[name] = _row_bytes(model)
+        row_bytes[name] = _row_bytes(model, host)
     picks: dict[str, dict[str, Any]] = {}
-    for name, kind in PICKS.items():
+    for name, kind in [(n, k) for n, k in PICKS.items() if n in args.variants]:
         plan = _plan_unconstrained(kind, args, host, "recsdk" if kind == "hash" else "torchrec")
         layout = _layout(plan)
         same = next((n for n, v in layouts.items() if LAYOUTS[n][0] == kind and v == layout), None)
@@ -274,7 +280,8 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             runs[name] = (*_shard_with_plan(kind, args, host, plan), data[kind])
     if args.with_mch:
         runs["torchrec_mch"] = (*_build_mch(args, host), raw[rank])
-    pipelines = {name: _pipelined(*run) for name, run in runs.items()} if args.loop == "pipeline" else {}
+    device = device_of(args.device)
+    pipelines = {name: _pipelined(*run, device) for name, run in runs.items()} if args.loop == "pipeline" else {}
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, (model, optimizer, batches) in runs.items():
@@ -328,6 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one rank on one GPU over nccl (--world-size 1)"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=ALL_VARIANTS,
+        default=ALL_VARIANTS,
+        help="what to measure (default: all); a ratio line is printed where both of its sides were measured",
+    )
+    parser.add_argument(
+        "--host-threads", type=int, default=None, help="tables the hash modules map at once (default: by device)"
+    )
     args = parser.parse_args(argv)
     for tables, id_range, dim in args.workload or [(4, 200_000, 32), (3, 40_000, 16)]:
         args.tables, args.id_range, args.dim = tables, id_range, dim
@@ -338,20 +358,24 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(args: argparse.Namespace) -> None:
     """Every variant of one workload, as JSON lines."""
     mch_error = None
-    try:  # in its own process group with a short timeout: a failure there must not hang the benchmark
-        run_distributed(_probe_mch, args.world_size, args, timeout_s=120)
-    except Exception as e:
-        # The root cause, not the peer's "connection closed" that follows it on the other rank.
-        lines = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception): ", ln)]
-        root = [ln for ln in lines if "gloo" not in ln and "Connection closed" not in ln] or lines
-        mch_error = root[0][:300] if root else str(e).splitlines()[0][:300]
-    args.with_mch = mch_error is None
-    out = run_distributed(_run, args.world_size, args, timeout_s=1200)[0]
+    if "torchrec_mch" in args.variants and args.device == "cpu":
+        try:  # in its own process group with a short timeout: a failure there must not hang the benchmark
+            launch(_probe_mch, args.world_size, args.device, args, timeout_s=120)
+        except Exception as e:
+            # The root cause, not the peer's "connection closed" that follows it on the other rank.
+            lines = [ln for ln in str(e).splitlines() if re.match(r"^[\w.]+(Error|Exception): ", ln)]
+            root = [ln for ln in lines if "gloo" not in ln and "Connection closed" not in ln] or lines
+            mch_error = root[0][:300] if root else str(e).splitlines()[0][:300]
+    elif "torchrec_mch" in args.variants:
+        mch_error = f"not measured on {args.device}"
+    args.with_mch = "torchrec_mch" in args.variants and mch_error is None
+    out = launch(_run, args.world_size, args.device, args, timeout_s=1200)[0]
     common = {
         "benchmark": "sharded_training",
         "workload": f"{args.tables}x{args.id_range}x{args.dim}",
         "world_size": args.world_size,
         "batch_size_per_rank": args.batch_size,
+        "device": args.device,
         "tables": args.tables,
         "dim": args.dim,
         "loop": args.loop,
@@ -370,26 +394,20 @@ def _measure(args: argparse.Namespace) -> None:
         if name in DTYPES:
             line |= {"optimizer": "RowWiseAdagrad", "row_bytes_all_ranks": out["row_bytes"][name]}
         print(json.dumps(line))
-    print(
-        json.dumps(
-            {
-                **common,
-                "metric": "ratio_hash_rw_vs_torchrec_tw",
-                "value": round(ratio("hash_rw", "torchrec_tw"), 3),
-                "target": 0.9,
-            }
-        )
-    )
+
+    def ratio_line(metric: str, a: str, b: str, **extra: Any) -> None:
+        if a in results and b in results:
+            print(json.dumps({**common, "metric": metric, "value": round(ratio(a, b), 3), **extra}))
+
+    ratio_line("ratio_hash_rw_vs_torchrec_tw", "hash_rw", "torchrec_tw", target=0.9)
+    ratio_line("ratio_hash_tw_vs_torchrec_tw", "hash_tw", "torchrec_tw")
     # What row-wise costs by itself (same sharding, no id work): separates the id work from
     # the row-wise layout (reduce-scatter of every rank's whole batch vs table-wise all-to-all).
-    ratio_rw = ratio("hash_rw", "torchrec_rw")
-    print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_rw", "value": round(ratio_rw, 3), "target": 0.95}))
-    layout = ratio("torchrec_rw", "torchrec_tw")
-    print(json.dumps({**common, "metric": "ratio_torchrec_rw_vs_torchrec_tw", "value": round(layout, 3)}))
+    ratio_line("ratio_hash_rw_vs_torchrec_rw", "hash_rw", "torchrec_rw", target=0.95)
+    ratio_line("ratio_torchrec_rw_vs_torchrec_tw", "torchrec_rw", "torchrec_tw")
     if "torchrec_mch" in medians:
-        ratio_mch = ratio("hash_rw", "torchrec_mch")
-        print(json.dumps({**common, "metric": "ratio_hash_rw_vs_torchrec_mch", "value": round(ratio_mch, 3)}))
-    else:
+        ratio_line("ratio_hash_rw_vs_torchrec_mch", "hash_rw", "torchrec_mch")
+    elif "torchrec_mch" in args.variants:
         print(json.dumps({**common, "variant": "torchrec_mch", "status": "does not run on CPU", "error": mch_error}))
     planners = {
         "hash_pick": "recsdk: HybridEmbeddingEnumerator + HybridPerfModel",
@@ -402,41 +420,24 @@ def _measure(args: argparse.Namespace) -> None:
         if "enumerator_only_plan_same" in pick:
             line["enumerator_only_plan_same"] = pick["enumerator_only_plan_same"]
         print(json.dumps({**line, "samples_per_s": round(statistics.median(results[name]), 1)}))
-    measured = ["hash_rw", "hash_tw"] + (["hash_pick"] if picks["hash_pick"]["same_as"] is None else [])
-    # The best by the per-round ratios, as the ratio itself (medians of samples/s can disagree).
-    best = max(measured, key=lambda n: ratio(n, measured[0]))
-    print(
-        json.dumps(
-            {
-                **common,
-                "metric": "ratio_hash_pick_vs_best_hash_layout",
-                "best": best,
-                "value": round(ratio("hash_pick", best), 3),
-                "target": 1.0,
-            }
+    if "hash_pick" in picks and "hash_rw" in results and "hash_tw" in results:
+        measured = ["hash_rw", "hash_tw"] + (["hash_pick"] if picks["hash_pick"]["same_as"] is None else [])
+        # The best by the per-round ratios, as the ratio itself (medians of samples/s can disagree).
+        best = max(measured, key=lambda n: ratio(n, measured[0]))
+        ratio_line("ratio_hash_pick_vs_best_hash_layout", "hash_pick", best, best=best, target=1.0)
+    ratio_line("ratio_hash_pick_vs_torchrec_pick", "hash_pick", "torchrec_pick", target=1.0)
+    if "hash_tw_fp16" in out["row_bytes"] and "hash_tw_fp32" in out["row_bytes"]:
+        fp16_bytes = out["row_bytes"]["hash_tw_fp16"] / out["row_bytes"]["hash_tw_fp32"]
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "metric": "ratio_fp16_vs_fp32",
+                    "samples_per_s": round(ratio("hash_tw_fp16", "hash_tw_fp32"), 3),
+                    "row_bytes": round(fp16_bytes, 3),
+                }
+            )
         )
-    )
-    print(
-        json.dumps(
-            {
-                **common,
-                "metric": "ratio_hash_pick_vs_torchrec_pick",
-                "value": round(ratio("hash_pick", "torchrec_pick"), 3),
-                "target": 1.0,
-            }
-        )
-    )
-    fp16_bytes = out["row_bytes"]["hash_tw_fp16"] / out["row_bytes"]["hash_tw_fp32"]
-    print(
-        json.dumps(
-            {
-                **common,
-                "metric": "ratio_fp16_vs_fp32",
-                "samples_per_s": round(ratio("hash_tw_fp16", "hash_tw_fp32"), 3),
-                "row_bytes": round(fp16_bytes, 3),
-            }
-        )
-    )
 
 
 if __name__ == "__main__":
