@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # recsdk on one CUDA GPU, as a user runs it: the little demo, the host stage, and sharded
 # training against TorchRec on remapped ids at the workloads of issue #35; prints the JSON lines
-# and the ratios. About 8 minutes on one H200 (each step has its own time limit).
+# and the ratios. About 4 minutes on one H200 (each step has its own time limit).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # logs: OUT_DIR/<step>.log (default out/gpu_check)
 #
@@ -37,16 +37,18 @@ run() {  # run NAME SECONDS COMMAND...: the command's JSON lines and summary lin
 }
 
 # The little demo on one GPU (HashEmbeddingBagCollection + HashEmbeddingCollection, the pipeline).
-run demo 80 python3 examples/little_demo/main.py --world-size 1 --device cuda --steps 300 --out "$out/demo"
+run demo 60 python3 examples/little_demo/main.py --world-size 1 --device cuda --steps 200 --out "$out/demo"
 # The host side of a step at 26 features x 16384 (core time, parts, GIL), with the tables on the GPU.
-run host_stage 100 python3 benchmarks/host_stage.py --device cuda --rounds 3 --steps 6 --warmup 25
-# Parity at a small workload, then the issue's: 26 features x 1M rows x dim 64, batch 16384.
+run host_stage 100 python3 benchmarks/host_stage.py --device cuda --rounds 3 --steps 4 --warmup 15
+# Parity at a small workload, then the issue's: 26 features x 1M rows x dim 64, batch 16384, one id
+# per feature and sample (426k ids a step).
 variants=(hash_rw hash_tw torchrec_rw torchrec_tw)
-run small 70 python3 benchmarks/sharded_training.py --device cuda --world-size 1 --workload 3x40000x16 \
+run small 40 python3 benchmarks/sharded_training.py --device cuda --world-size 1 --workload 3x40000x16 \
     --batch-size 8192 --steps 20 --rounds 5 --variants "${variants[@]}"
-run large 170 python3 benchmarks/sharded_training.py --device cuda --world-size 1 --workload 26x1000000x64 \
-    --batch-size 16384 --steps 10 --rounds 5 --variants "${variants[@]}"
+run large 90 python3 benchmarks/sharded_training.py --device cuda --world-size 1 --workload 26x1000000x64 \
+    --batch-size 16384 --pooling 1 --steps 10 --rounds 5 --variants "${variants[@]}"
 # The same with the tables of a step mapped on one thread (the default on a GPU: up to 8).
-run large_one_thread 120 python3 benchmarks/sharded_training.py --device cuda --world-size 1 \
-    --workload 26x1000000x64 --batch-size 16384 --steps 10 --rounds 5 --variants hash_rw hash_tw --host-threads 1
+run large_one_thread 70 python3 benchmarks/sharded_training.py --device cuda --world-size 1 \
+    --workload 26x1000000x64 --batch-size 16384 --pooling 1 --steps 10 --rounds 5 --variants hash_rw hash_tw \
+    --host-threads 1
 exit $failed
