@@ -18,6 +18,7 @@ from recsdk.embedding.publication import (
     PUBLICATION_MANIFEST,
     decode_rows,
     encode_rows,
+    manifest_checksum,
     table_file,
     version_path,
 )
@@ -153,6 +154,10 @@ def _write_version(root: Path, version: int, kind: str, table_ids: list[int], de
         "dense": {"file": "dense.safetensors", "tensors": {"w": {"shape": [2], "dtype": "float32"}}},
         "files": files,
     }
+    parent = Path(version_path(root, version - 1)) / PUBLICATION_MANIFEST
+    parent_crc = json.loads(parent.read_text())["manifest_crc32"] if parent.exists() else 0  # 0: a missing parent
+    manifest["parent_manifest_crc32"] = None if kind == "full" else parent_crc
+    manifest["manifest_crc32"] = manifest_checksum(manifest)
     (directory / PUBLICATION_MANIFEST).write_text(json.dumps(manifest))
 
 

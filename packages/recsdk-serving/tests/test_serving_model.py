@@ -16,6 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import PublicationError, list_versions
+from recsdk.embedding.publication import manifest_checksum
 from recsdk.serving import ServingEmbeddingBagCollection, ServingEmbeddingCollection, ServingModel
 
 
@@ -114,6 +115,7 @@ def test_a_damaged_or_foreign_file_is_refused_and_nothing_runs(tmp_path: Path, p
 
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["dense.safetensors"] = {"size": target.stat().st_size, "crc32": checksum(str(target))}
+    manifest["manifest_crc32"] = manifest_checksum(manifest)
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(PublicationError, match="not a safetensors data file"):
         serving.refresh()

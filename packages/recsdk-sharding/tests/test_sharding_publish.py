@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -247,9 +248,16 @@ def _one_version(rank: int, world_size: int, root: str) -> None:
     Publisher(dmp, root).publish(step=2)
 
 
-def test_a_damaged_version_is_refused_naming_the_file(tmp_path: Path) -> None:
+def _one_version_under_umask(rank: int, world_size: int, root: str, umask: int) -> None:
+    os.umask(umask)
+    _one_version(rank, world_size, root)
+
+
+def test_a_damaged_version_is_refused_naming_the_file_and_files_follow_the_umask(tmp_path: Path) -> None:
     root = tmp_path / "pub"
-    run_distributed(_one_version, 2, str(root))
+    run_distributed(_one_version_under_umask, 2, str(root), 0o027)
+    modes = {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}
+    assert len(modes) == 6 and set(modes.values()) == {0o640}, modes  # 0o666 less the umask, not 0o600
     read_version(root, 0)  # intact
     damaged = root / "00000000" / "tables" / "t0" / "rank-00001.safetensors"
     data = bytearray(damaged.read_bytes())

@@ -19,13 +19,24 @@ rows changed since its parent version (``parent = version - 1``) and the ids del
 Apply a delta by dropping its deleted ids, then writing its ids' rows. The manifest records the
 version, its parent, its kind, the training step, the rows' dtype, per table its config and
 counts, the dense tensors, and every file's size and CRC-32.
+
+A chain of trust: the manifest records the CRC-32 of its own content (``manifest_crc32``, see
+:func:`manifest_checksum`) and a delta the one of its parent's manifest
+(``parent_manifest_crc32``), so every file a server applies is covered by a checksum reached
+from the full version it started from. :func:`read_manifest` refuses a manifest whose checksum,
+version (its directory's name), kind and parent disagree, whose files' paths leave the version
+directory, or that is reached through a symbolic link; :func:`read_version` refuses a data file
+reached through one; :func:`check_parent` checks a delta against the version it is applied on.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +51,7 @@ __all__ = [
     "PublicationError",
     "PublishedTable",
     "PublishedVersion",
+    "check_parent",
     "decode_rows",
     "describe_table",
     "differences",
@@ -47,6 +59,7 @@ __all__ = [
     "full_versions",
     "latest_version",
     "list_versions",
+    "manifest_checksum",
     "read_manifest",
     "read_version",
     "replay",
@@ -57,7 +70,8 @@ __all__ = [
 PUBLICATION_FORMAT = "recsdk.publication"
 PUBLICATION_MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the manifest records its own CRC-32 and a delta its parent's (1 had neither: refused)."""
 ROW_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8}
 """The dtypes rows are published in, by the name the manifest records."""
 
@@ -79,14 +93,33 @@ def table_file(table: str, rank: int) -> str:
 
 
 def list_versions(root: str | os.PathLike[str]) -> list[int]:
-    """The complete versions under ``root`` (those with a manifest), ascending; ``[]`` if none."""
+    """The versions under ``root`` with a manifest, ascending; ``[]`` if none (or no root).
+
+    A version whose manifest cannot even be looked at (an I/O or permission error), or that is
+    reached through a symbolic link, is listed too: :func:`read_manifest` then names what is wrong
+    with it, rather than the version going unseen.
+
+    Raises:
+        PublicationError: ``root`` exists but cannot be listed (naming it and why).
+    """
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return []
-    return sorted(
-        int(n) for n in names if _VERSION_NAME.match(n) and os.path.isfile(os.path.join(root, n, PUBLICATION_MANIFEST))
-    )
+    except OSError as e:
+        raise PublicationError(f"publication root {os.fspath(root)!r} cannot be listed: {e.strerror or e}") from e
+    out = []
+    for name in names:
+        if not _VERSION_NAME.match(name):
+            continue
+        try:
+            os.lstat(os.path.join(root, name, PUBLICATION_MANIFEST))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not complete (or not a directory)
+        except OSError:
+            pass  # unreadable: listed, read_manifest names it
+        out.append(int(name))
+    return sorted(out)
 
 
 def full_versions(root: str | os.PathLike[str], versions: list[int] | None = None) -> list[int]:
@@ -106,21 +139,33 @@ def latest_version(root: str | os.PathLike[str]) -> int | None:
 
 
 def read_manifest(root: str | os.PathLike[str], version: int) -> dict[str, Any]:
-    """A version's manifest, checked to be a publication's.
+    """A version's manifest, checked to be a publication's, and whole (see the module).
 
     Raises:
-        PublicationError: the version is not complete or its manifest is not a publication's.
+        PublicationError: the version is not complete; it is unreadable (an I/O or permission
+            error, named); it or its manifest is a symbolic link; its manifest is not a
+            publication's, or its CRC-32, version, kind, parent or file paths disagree (named).
     """
-    path = os.path.join(version_path(root, version), PUBLICATION_MANIFEST)
+    directory = version_path(root, version)
+    path = os.path.join(directory, PUBLICATION_MANIFEST)
+    where = f"version {version} under {os.fspath(root)!r}"
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        if stat.S_ISLNK(os.lstat(directory).st_mode):
+            raise PublicationError(f"{where} is a symbolic link ({directory!r}); refused: a version is a directory")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise PublicationError(
-            f"version {version} under {os.fspath(root)!r} is not published (no {path!r}); "
-            f"complete versions: {list_versions(root)}"
+            f"{where} is not published (no {path!r}); complete versions: {list_versions(root)}"
         ) from None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PublicationError(f"{where}: {path!r} is a symbolic link; refused") from None
+        raise PublicationError(f"{where} is unreadable: {path!r}: {e.strerror or e}") from e
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except ValueError as e:
         raise PublicationError(f"{path!r} cannot be read as JSON: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != PUBLICATION_FORMAT:
         raise PublicationError(f"{path!r} is not a recsdk publication manifest (format {PUBLICATION_FORMAT!r})")
@@ -128,7 +173,80 @@ def read_manifest(root: str | os.PathLike[str], version: int) -> dict[str, Any]:
         raise PublicationError(
             f"{path!r} has format_version {manifest.get('format_version')!r}; this recsdk reads {FORMAT_VERSION}"
         )
+    problems = _manifest_problems(manifest, version)
+    if problems:
+        raise PublicationError(f"{path!r} is damaged: " + "; ".join(problems))
     return manifest
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> int:
+    """The CRC-32 a manifest records of itself: of its content without ``manifest_crc32``, as
+    compact JSON with sorted keys (UTF-8)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")) & 0xFFFFFFFF
+
+
+def check_parent(manifest: Mapping[str, Any], parent: Mapping[str, Any] | None) -> str | None:
+    """What is wrong with applying the version of ``manifest`` on top of the one of ``parent``
+    (None: no version served or read before it); None when nothing is.
+
+    A full version applies on anything; a delta on its parent, the very version it was
+    published on top of (its manifest's CRC-32 as the delta records it).
+    """
+    if manifest["kind"] == "full":
+        return None
+    v, p = manifest["version"], manifest["parent"]
+    if parent is None or parent["version"] != p:
+        have = "no version" if parent is None else f"version {parent['version']}"
+        return f"version {v} is a delta on top of version {p}, which is missing ({have} before it)"
+    if manifest["parent_manifest_crc32"] != parent["manifest_crc32"]:
+        return (
+            f"version {v} was published on top of a version {p} whose manifest CRC-32 was "
+            f"{manifest['parent_manifest_crc32']:08x}; version {p} here has {parent['manifest_crc32']:08x} "
+            "(replaced since): the chain is broken"
+        )
+    return None
+
+
+def _manifest_problems(manifest: dict[str, Any], version: int) -> list[str]:
+    """How a manifest read from ``version``'s directory disagrees with itself and its place."""
+    recorded = manifest.get("manifest_crc32")
+    if not isinstance(recorded, int) or recorded != manifest_checksum(manifest):
+        return [f"its content has another CRC-32 than the {recorded!r} it records (edited or damaged)"]
+    problems = []
+    if manifest.get("version") != version:
+        problems.append(f"it records version {manifest.get('version')!r} in the directory of version {version}")
+    kind, parent, parent_crc = manifest.get("kind"), manifest.get("parent"), manifest.get("parent_manifest_crc32")
+    if kind == "full" and (parent is not None or parent_crc is not None):
+        problems.append(f"a full version with parent {parent!r} (parent CRC-32 {parent_crc!r}); a full one has none")
+    elif kind == "delta" and (parent != version - 1 or not isinstance(parent_crc, int)):
+        problems.append(
+            f"a delta with parent {parent!r} (parent CRC-32 {parent_crc!r}); a delta's parent is "
+            f"{version - 1}, with its manifest's CRC-32"
+        )
+    elif kind not in ("full", "delta"):
+        problems.append(f"kind {kind!r}; a version is 'full' or 'delta'")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return [*problems, "no files record"]
+    for name, record in files.items():
+        if not _inside(name):
+            problems.append(f"file {name!r} is not a plain relative path inside the version directory")
+        elif not (isinstance(record, dict) and all(isinstance(record.get(k), int) for k in ("size", "crc32"))):
+            problems.append(f"file {name!r} has no size and CRC-32")
+    named = [f for info in manifest.get("tables", {}).values() for f in info.get("files", [])]
+    named.append(manifest.get("dense", {}).get("file"))
+    for name in named:
+        if name not in files:
+            problems.append(f"file {name!r} is read but has no size and CRC-32 recorded")
+    return problems
+
+
+def _inside(name: object) -> bool:
+    """Whether ``name`` is a relative path that stays inside its directory (no ``..``, not absolute)."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or "\x00" in name:
+        return False
+    return os.path.normpath(name) == name and not any(part in ("..", ".") for part in name.split("/"))
 
 
 def describe_table(module: str, config: Any) -> dict[str, Any]:
@@ -336,8 +454,9 @@ def replay(root: str | os.PathLike[str], version: int | None = None) -> Publishe
         if v not in versions:
             raise PublicationError(f"version {v} is missing under {os.fspath(root)!r}: cannot rebuild {version}")
         delta = read_version(root, v)
-        if delta.parent != state.version:
-            raise PublicationError(f"version {v} applies on top of {delta.parent}, not {state.version}")
+        problem = check_parent(delta.manifest, state.manifest)
+        if problem:
+            raise PublicationError(problem)
         state = PublishedVersion(
             version=v,
             parent=None,
@@ -387,6 +506,10 @@ def _verify(directory: str, files: dict[str, dict[str, int]]) -> None:
     for name in sorted(files):
         path = os.path.join(directory, name)
         try:
+            link = _symlink_on(directory, name)
+            if link is not None:
+                problems.append(f"{link!r} is a symbolic link (refused: a publication's files are real files)")
+                continue
             size = os.stat(path).st_size
         except OSError as e:
             problems.append(f"{path!r} cannot be read: {e.strerror or e}")
@@ -397,3 +520,13 @@ def _verify(directory: str, files: dict[str, dict[str, int]]) -> None:
             problems.append(f"{path!r} has another CRC-32 than the manifest recorded (damaged)")
     if problems:
         raise PublicationError(f"version {directory!r} is damaged: " + "; ".join(problems))
+
+
+def _symlink_on(directory: str, name: str) -> str | None:
+    """The first symbolic link on the way from ``directory`` to its file ``name``, or None."""
+    path = directory
+    for part in name.split("/"):
+        path = os.path.join(path, part)
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return path
+    return None

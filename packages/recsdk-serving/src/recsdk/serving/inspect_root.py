@@ -1,9 +1,13 @@
 """``python -m recsdk.serving inspect ROOT``: what a publisher's root holds, and whether it serves.
 
 Prints one line per complete version (kind, parent, step, bytes, per table the ids written and
-deleted), then whether the chain a server applies (the latest full version and every delta after
-it) is complete and intact: every version present, each delta on top of its parent, every file's
-size and CRC-32 as its manifest recorded.
+deleted; ``UNREADABLE`` and why for a version whose manifest cannot be read or is refused), then
+whether the chain a server applies (the latest full version and every delta after it, as
+:func:`~recsdk.embedding.publication_chain.plan_chain` plans it for
+:class:`~recsdk.serving.ServingModel`) is complete and intact: every version present and
+readable, each manifest's own CRC-32, each delta on top of the very version it was published on,
+every file's size and CRC-32 as its manifest recorded, no symbolic link. Never a traceback: any
+failure is a ``BROKEN`` line and exit status 1.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from recsdk.embedding import PublicationError, list_versions, read_version
-from recsdk.embedding.publication import read_manifest
+from recsdk.embedding import PublicationError, read_version
+from recsdk.embedding.publication_chain import plan_chain
 
 __all__ = ["inspect_root", "main"]
 
@@ -29,10 +33,10 @@ def inspect_root(root: str | os.PathLike[str]) -> tuple[list[str], bool]:
         tuple[list[str], bool]: the lines to print; True when a server can apply the latest version.
     """
     root = os.fspath(root)
-    versions = list_versions(root)
+    plan = plan_chain(root)
+    versions, manifests = plan.versions, plan.manifests
     if not versions:
         return [f"{root}: no complete version"], False
-    manifests = {v: read_manifest(root, v) for v in versions}
     tables = sorted({name for m in manifests.values() for name in m["tables"]})
     lines = [f"{root}: {len(versions)} complete versions, {versions[0]} to {versions[-1]}"]
     header = f"{'version':>8}  {'kind':<5}  {'parent':>6}  {'step':>8}  {'MB':>9}  " + "  ".join(
@@ -40,6 +44,9 @@ def inspect_root(root: str | os.PathLike[str]) -> tuple[list[str], bool]:
     )
     lines.append(header)
     for v in versions:
+        if v in plan.unreadable:
+            lines.append(f"{v:>8}  UNREADABLE: {plan.unreadable[v]}")
+            continue
         m = manifests[v]
         size = sum(int(f["size"]) for f in m["files"].values()) / 1e6
         counts = "  ".join(
@@ -50,25 +57,21 @@ def inspect_root(root: str | os.PathLike[str]) -> tuple[list[str], bool]:
         )
         parent = "-" if m["parent"] is None else str(m["parent"])
         lines.append(f"{v:>8}  {m['kind']:<5}  {parent:>6}  {m['step']:>8}  {size:>9.2f}  {counts}")
-    fulls = [v for v in versions if manifests[v]["kind"] == "full"]
-    if not fulls:
-        lines.append("chain: no full version: nothing can be served from this root")
+    if not plan.chain:
+        lines.append("chain: BROKEN: " + "; ".join(plan.problems) + ": nothing can be served from this root")
         return lines, False
-    start, problems = fulls[-1], []
-    for v in range(start, versions[-1] + 1):
+    start, problems = plan.chain[0], list(plan.problems)
+    for v in plan.chain:
         if v not in manifests:
-            problems.append(f"version {v} is missing")
             continue
-        if v > start and manifests[v]["parent"] != v - 1:
-            problems.append(f"version {v} applies on top of {manifests[v]['parent']}, not {v - 1}")
         try:
-            read_version(root, v)  # sizes and checksums of every file
+            read_version(root, v)  # sizes and checksums of every file, no symbolic link
         except PublicationError as e:
             problems.append(str(e))
     if problems:
-        lines.append(f"chain {start} -> {versions[-1]}: BROKEN: " + "; ".join(problems))
+        lines.append(f"chain {start} -> {plan.chain[-1]}: BROKEN: " + "; ".join(problems))
         return lines, False
-    lines.append(f"chain {start} -> {versions[-1]}: complete and intact (every file's size and CRC-32 checked)")
+    lines.append(f"chain {start} -> {plan.chain[-1]}: complete and intact (every manifest's and file's CRC-32 checked)")
     return lines, True
 
 
@@ -79,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect = commands.add_parser("inspect", help="list a publisher's versions and check the chain a server applies")
     inspect.add_argument("root", help="the publisher's root")
     args = parser.parse_args(argv)
-    lines, ok = inspect_root(args.root)
+    try:
+        lines, ok = inspect_root(args.root)
+    except Exception as e:  # reported as a BROKEN line, never a traceback
+        lines, ok = [f"{args.root}: BROKEN: {type(e).__name__}: {e}"], False
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -17,10 +17,10 @@ from recsdk.embedding import (
     HashEmbeddingCollection,
     PublicationError,
     PublishedVersion,
-    list_versions,
     read_version,
 )
-from recsdk.embedding.publication import describe_table, differences, full_versions
+from recsdk.embedding.publication import describe_table, differences
+from recsdk.embedding.publication_chain import plan_chain
 from recsdk.serving.rw_lock import ReadWriteLock
 from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, ServingEmbeddingCollection
 
@@ -70,6 +70,7 @@ class ServingModel:
         self._lock = ReadWriteLock()
         self._refreshing = threading.Lock()
         self._version: int | None = None
+        self._manifest: dict[str, Any] | None = None  # the served version's
         self._step = 0
         self._kind = ""
         self._follower: threading.Thread | None = None
@@ -140,34 +141,36 @@ class ServingModel:
         """Apply every newer complete version, in order; returns how many were applied.
 
         A newer full version is applied first (the deltas before it are not needed), then each
-        delta after it on top of its parent. A version already applied is never applied again.
+        delta after it on top of its parent: the very version it was published on top of (its
+        manifest's CRC-32, as the delta records it). A version already applied is never applied
+        again. What is applied is what ``python -m recsdk.serving inspect`` reports as the chain
+        (:func:`~recsdk.embedding.publication_chain.plan_chain`).
 
         Args:
             max_versions (int | None): apply at most this many (the oldest first); None: all.
 
         Raises:
-            PublicationError: a delta whose parent is missing (naming the missing version), or a
-                damaged or foreign file; the model keeps serving the last version it applied.
+            PublicationError: once the versions before it are applied: a missing or unreadable
+                version (named), a delta not on top of the version served, or a damaged, foreign
+                or symlinked file; the model keeps serving the last version it applied.
         """
         with self._refreshing, _short_switch_interval():
-            versions = [v for v in list_versions(self.root) if self._version is None or v > self._version]
-            fulls = full_versions(self.root, versions)
-            if fulls:
-                versions = [v for v in versions if v >= fulls[-1]]
-            if max_versions is not None:
-                versions = versions[:max_versions]
-            applied = 0
+            plan = plan_chain(self.root, self._manifest)
+            versions = plan.apply if max_versions is None else plan.apply[:max_versions]
             for v in versions:
                 published = self._read(v)
-                if published.kind == "delta" and published.parent != self._version:
+                if published.manifest["manifest_crc32"] != plan.manifests[v]["manifest_crc32"]:
                     raise PublicationError(
-                        f"version {v} under {self.root!r} is a delta on top of version {published.parent}, which "
-                        f"is missing (serving version {self._version}); the model keeps serving it until a full "
-                        "version is published"
+                        f"version {v} under {self.root!r} was replaced while it was read; the model keeps "
+                        f"serving version {self._version}"
                     )
                 self._apply(published)
-                applied += 1
-            return applied
+            if plan.problems and len(versions) == len(plan.apply):
+                raise PublicationError(
+                    "; ".join(plan.problems) + f"; the model keeps serving version {self._version} until a full "
+                    "version is published"
+                )
+            return len(versions)
 
     def follow(self, interval_s: float = 10.0) -> None:
         """Refresh every ``interval_s`` seconds on a background thread until :meth:`stop`; its
@@ -203,13 +206,10 @@ class ServingModel:
     # ------------------------------------------------------------------ internals
 
     def _chain_start(self) -> int:
-        versions = list_versions(self.root)
-        fulls = full_versions(self.root, versions)
-        if not fulls:
-            raise PublicationError(
-                f"no complete full version under {self.root!r} (versions: {versions}); serving starts from one"
-            )
-        return fulls[-1]
+        plan = plan_chain(self.root)
+        if not plan.apply:
+            raise PublicationError("; ".join(plan.problems) + "; serving starts from a full version")
+        return plan.apply[0]
 
     def _read(self, version: int) -> PublishedVersion:
         """Read and check a version (sizes, checksums, the model's tables and dense part)."""
@@ -228,6 +228,7 @@ class ServingModel:
                 collection.commit_version(version)
             self.model.load_state_dict(published.dense, strict=False)
             self._version, self._step, self._kind = published.version, published.step, published.kind
+            self._manifest = published.manifest
 
 
 _switch = {"users": 0, "before": 0.0}

@@ -100,13 +100,30 @@ def write_dense(directory: str, dense: Mapping[str, torch.Tensor]) -> str:
 
 
 def _save(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file, flushed to disk."""
+    """A safetensors file, flushed to disk, with the mode a new file gets (``0o666`` less the
+    umask: safetensors writes ``0o600``, which a serving host running as another user cannot read)."""
     from safetensors.torch import save_file
 
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_file(tensors, path, metadata=metadata)
         with open(path, "rb+") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
     except OSError as e:
         raise OSError(e.errno, f"{os_reason(e)} writing {path!r}; the version was not published") from e
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; where there is
+    none, set and restored at once)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

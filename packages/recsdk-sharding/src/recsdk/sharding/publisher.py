@@ -12,7 +12,8 @@ Every :meth:`Publisher.publish` writes the next version under the root (the form
    (:meth:`~recsdk.sharding.HostShardedModule.change_snapshots`), so a pipeline's host thread
    keeps mapping meanwhile; training is between steps, so the rows do not change;
 3. each rank writes its table files into the version's partial directory (rank 0 also the dense
-   part), checksums them, and rank 0 writes the manifest last and renames the directory
+   part), checksums them, and rank 0 writes the manifest last (with the CRC-32 of its own
+   content and, for a delta, its parent's manifest's) and renames the directory
    (the checkpoint code's :func:`~recsdk.sharding.checkpoint.publish.write_directory`);
 4. only then do the trackers commit (what the version held counts as published). A failure on
    any rank raises on every rank, removes the partial directory and commits nothing: the next
@@ -46,6 +47,7 @@ from recsdk.embedding.publication import (
     differences,
     full_versions,
     list_versions,
+    manifest_checksum,
     read_manifest,
     version_path,
 )
@@ -204,7 +206,10 @@ class Publisher:
                 for part in comm.gather(comm.run(files.describe, tmp, written["files"]))
                 for name, r in part.items()
             }
-            return self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
+            manifest = self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
+            manifest["parent_manifest_crc32"] = None if full else plan["manifest_crc32"]
+            manifest["manifest_crc32"] = manifest_checksum(manifest)
+            return manifest
 
         manifest = write_directory(version_path(self.root, version), comm, "publication", PUBLICATION_MANIFEST, fill)
         for fqn, module in self._modules.items():
@@ -257,6 +262,7 @@ class Publisher:
             "version": versions[-1] + 1 if versions else 0,
             "token": latest.get("token"),
             "dtype": latest.get("dtype"),
+            "manifest_crc32": latest.get("manifest_crc32"),  # a delta's parent's
             "new_token": secrets.token_hex(8),
         }
 
