@@ -163,3 +163,61 @@ def test_command_line(days: list[Path], tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["criteo", str(tmp_path / "out")])  # no input
     assert os.listdir(tmp_path) == ["out"]
+
+
+_HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from recsdk.data.criteo_convert import _locked
+with _locked(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_conversion_into_the_same_folder_fails_at_once_naming_the_first(
+    days: list[Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    first = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        started = time.monotonic()
+        with pytest.raises(BlockingIOError, match=rf"being converted into by another conversion \(pid {first.pid} on "):
+            convert_criteo(days[1], out, workers=1, progress=False)
+        assert time.monotonic() - started < 5  # at once, not after waiting
+        assert sorted(p.name for p in out.iterdir()) == [".convert.lock"]  # nothing touched
+    finally:
+        first.kill()
+        first.wait()
+    assert convert_criteo(days[1], out, workers=1, progress=False)["rows"] == 3_000  # the lock went with it
+
+
+def test_non_utf8_lines_are_bad_lines_named_by_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "day.tsv"
+    lines = [_line(ints=(str(i),) * 13).encode() for i in range(1, 3_001)]
+    lines[2_499] = _line(cats=("0000000a",) * 25 + ("",)).encode() + b"\xff\xfe"  # line 2500, in a later unit
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    for workers in (1, 2):
+        with pytest.raises(
+            ValueError, match=r"day\.tsv:2500: bad Criteo line \(not UTF-8: byte \d+ of the line is 0xff"
+        ):
+            convert_criteo(path, tmp_path / f"out{workers}", workers=workers, chunk_bytes=20_000, progress=False)
+    manifest = convert_criteo(
+        path, tmp_path / "skip", on_bad_line="skip", workers=1, chunk_bytes=20_000, progress=False
+    )
+    assert manifest["rows"] == 2_999 and manifest["bad_lines"] == 1
+    reader = CriteoDataset(path, 1000, on_bad_line="skip")
+    assert sum(b.labels.numel() for b in reader) == 2_999 and reader.bad_lines == 1
+
+
+def test_a_corrupt_gz_gives_one_line_naming_the_file(
+    days: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = days[1].read_bytes()
+    corrupt = tmp_path / "day.tsv.gz"
+    corrupt.write_bytes(data[: len(data) // 2] + bytes(64) + data[len(data) // 2 + 64 :])
+    assert main(["criteo", str(corrupt), str(tmp_path / "out"), "--workers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {corrupt}: ") and "corrupt" in err, err

@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
         )
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as e:  # a bad line, a corrupt or missing input, a locked OUT
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line
         return 2
     size = sum(p["bytes"] for p in manifest["parts"])
     seconds = manifest.get("seconds")

@@ -16,17 +16,26 @@ last, so ``OUT`` is a dataset only once every unit is done.
 and the options. Run again with the same inputs and options, a conversion that was killed
 keeps its finished units and does the rest; other inputs or options raise ``ValueError``
 naming each difference (``overwrite=True`` / ``--overwrite`` starts over).
+
+**One conversion per folder.** A conversion holds an exclusive lock on ``OUT/.convert.lock``
+(``flock``, released when the process ends, however it ends) from before it looks at ``OUT``;
+a second conversion into the same folder fails at once with ``BlockingIOError`` naming the
+first (its process id, host, start time and command line, as the lock file records them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,7 @@ from recsdk.data.criteo_tsv import BadLines, read_criteo_tsv
 __all__ = ["convert_criteo"]
 
 _WORK = ".convert"  # the conversion's own bookkeeping inside OUT
+_LOCK = ".convert.lock"  # held by the conversion running into OUT (never removed: removing it would race)
 _COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}  # what pyarrow's CSV reader detects
 _SEARCH = 1 << 20  # bytes read at a time when looking for a line end
 _BYTES_PER_PROCESS = 512 << 20  # input per worker process when the caller leaves the count to us
@@ -217,7 +227,7 @@ def _prepare(out: Path, plan: dict[str, Any], overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} exists and is not a folder")
     ours = work.is_dir() or (out / MANIFEST).is_file()
-    if out.is_dir() and any(out.iterdir()) and not ours:
+    if out.is_dir() and any(child.name != _LOCK for child in out.iterdir()) and not ours:
         raise ValueError(f"output folder {str(out)!r} holds other files: give an empty or new folder")
     if ours:
         recorded = work / "plan.json"
@@ -270,8 +280,10 @@ def convert_criteo(
 
     Raises:
         FileNotFoundError: an input file is missing.
-        ValueError: a bad line with ``on_bad_line="error"`` (``file:line``), or ``out`` holds
-            other files or another conversion (each difference named).
+        ValueError: a bad line with ``on_bad_line="error"`` (``file:line``, the line's number in
+            that file), or ``out`` holds other files or another conversion (each difference named).
+        BlockingIOError: another conversion is running into ``out`` (named).
+        OSError: an input cannot be read or is corrupt (e.g. a damaged ``.gz``), naming the file.
 
     Example::
 
@@ -291,9 +303,41 @@ def convert_criteo(
     check_bool("progress", progress)
     root = Path(out)
     plan = _plan(paths, chunk_bytes, on_bad_line, rows_per_batch)
-    _prepare(root, plan, overwrite)
-    if (root / MANIFEST).is_file():
-        return read_manifest(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"output {str(root)!r} exists and is not a folder")
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        _prepare(root, plan, overwrite)
+        if (root / MANIFEST).is_file():
+            return read_manifest(root)
+        return _convert(root, plan, workers, block_size, progress)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold ``out``'s conversion lock (see the module); raise ``BlockingIOError`` naming its holder."""
+    path = out / _LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "a process that has not said which"
+            raise BlockingIOError(
+                errno.EWOULDBLOCK,
+                f"output folder {str(out)!r} is being converted into by another conversion ({holder}); wait for it "
+                "to end or give another folder",
+            ) from None
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}: {' '.join(sys.argv)}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _convert(root: Path, plan: dict[str, Any], workers: int | None, block_size: int, progress: bool) -> dict[str, Any]:
+    """Convert the units not done yet (under the lock); write and return the manifest."""
     results: dict[int, dict[str, Any]] = {}
     todo = []
     for unit in range(len(plan["units"])):

@@ -234,5 +234,23 @@ class BlockParser:
         return (None if self.invalid else _rows_typed(batch, block)), False
 
     def strings(self, block: Block) -> pa.RecordBatch:
-        """The block with every column as strings; :attr:`invalid` names its lines of bad field counts."""
-        return self._read(block, self._strings)
+        """The block with every column as strings; :attr:`invalid` names its lines of bad field
+        counts, and its lines that are not UTF-8 (parsed as a line of one field: bad lines like any other)."""
+        try:
+            return self._read(block, self._strings)
+        except pa.ArrowInvalid as e:
+            if "UTF8" not in str(e):
+                raise
+        data, start, end = block
+        lines = bytes(memoryview(data)[start:end]).split(b"\n")
+        not_utf8 = {}
+        for i, line in enumerate(lines):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as u:
+                not_utf8[i + 1] = f"not UTF-8: byte {u.start + 1} of the line is 0x{line[u.start]:02x}"
+                lines[i] = b"-"  # one field: pyarrow reports it as a bad field count, here renamed
+        cleaned = b"\n".join(lines)
+        table = self._read((cleaned, 0, len(cleaned)), self._strings)
+        self.invalid = [(line, not_utf8.get(line, why)) for line, why in self.invalid]
+        return table
