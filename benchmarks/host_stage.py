@@ -76,6 +76,7 @@ from recsdk.sharding.host_stage import IdMappingStage
 from recsdk.sharding.row_ledger import RowLedger
 
 NUM_DENSE = 13
+WARMUP_SCALE = 4  # the warm-up's batches are this many times larger
 PROBE_SWITCH_INTERVAL_S = 5e-5  # while the GIL probe spins (Python's default: 5 ms)
 
 
@@ -140,12 +141,13 @@ def _universes(features: int) -> list[int]:
 
 
 def _rows(universe: int) -> int:
-    return min(2 * universe, 100_000)
+    return min(2 * universe, 65_536)
 
 
-def _batches(args: argparse.Namespace, num: int) -> list[Batch]:
+def _batches(args: argparse.Namespace, num: int, scale: int = 1, sample_seed: int = 0) -> list[Batch]:
+    """``num`` batches of ``scale`` times the batch size (the warm-up's are larger: the tables fill)."""
     dataset = RandomRecDataset(
-        batch_size=args.batch_size,
+        batch_size=scale * args.batch_size,
         num_batches=num,
         feature_names=feature_names(args.features),
         id_ranges=_universes(args.features),
@@ -154,6 +156,7 @@ def _batches(args: argparse.Namespace, num: int) -> list[Batch]:
         id_distribution="zipf",
         zipf_alpha=1.05,
         seed=0,
+        sample_seed=sample_seed,
         rank=0,
         world_size=1,
     )
@@ -336,6 +339,7 @@ def _run(args: argparse.Namespace) -> None:
     _instrument()
     num = args.warmup + args.steps * args.rounds
     batches = _batches(args, num)
+    warmup = _batches(args, args.warmup, scale=WARMUP_SCALE, sample_seed=1)
     remapped = remap_ids([batches], feature_names(args.features))[0]
     distinct = [
         max(int(b.sparse_features[f].values().max()) + 1 for b in remapped) for f in feature_names(args.features)
@@ -346,7 +350,7 @@ def _run(args: argparse.Namespace) -> None:
         hash_module.track_changes()  # as under a Publisher
         hash_module.train()
         torchrec_module = _sharded_ebc(_torchrec_model(args, layout, host, device, distinct))
-        for batch in batches[: args.warmup]:
+        for batch in warmup:  # until the big tables are full and evict
             ctx, mapped = _host_stage(hash_module, batch.sparse_features)
             _compute(hash_module, ctx, mapped, device)
         stats_before = {n: t.stats() for n, t in hash_module.id_tables.items()}
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16384)
     parser.add_argument("--dim", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8, help="steps per round")
-    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=20, help="warm-up steps (of batches 4x larger)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-ranks", type=int, default=8, help="owners for the bucketing_ms_at line")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

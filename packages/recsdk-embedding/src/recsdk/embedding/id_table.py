@@ -41,6 +41,7 @@ from recsdk.embedding.id_table_state import (
     IdTableState,
 )
 from recsdk.embedding.lazy_memory import lazy_zeros
+from recsdk.embedding.oldest_rows import OldestRows
 from recsdk.embedding.policies import (
     AdmissionPolicy,
     CountAdmission,
@@ -155,6 +156,7 @@ class IdTable(IdTableState, IdTableAdmission, IdTableEviction, IdTablePins, IdTa
         self._reassigned_count: int
         self._stats: dict[str, int]
         self._changes: RowChangeTracker | None = None  # see track_changes
+        self._oldest = OldestRows(_OCCUPIED)  # the least recently used rows, for several evictions
         self._allocate()
 
     # ------------------------------------------------------------------ properties
@@ -467,6 +469,7 @@ class IdTable(IdTableState, IdTableAdmission, IdTableEviction, IdTablePins, IdTa
         self._reassigned = []
         self._reassigned_count = 0
         self._stats = dict.fromkeys(_STAT_NAMES, 0)
+        self._oldest.clear()
         if self._sketch is not None:
             self._sketch.counters.zero_()
         if self._scores is not None:

@@ -6,7 +6,9 @@ occupied, unpinned and not used by the batch at hand: the least recently used (L
 ``last_step``), or the lowest show/click scores (score eviction, by the
 :class:`~recsdk.embedding.id_table_scores.IdTableScores` per row; it frees at least its
 ``evict_fraction`` of the stored ids, and does so every ``every_steps`` steps if set), in one
-``kthvalue`` over the rows below the high-water mark. A TTL policy also
+``kthvalue`` over the rows below the high-water mark. By last use, that scan is shared by the
+evictions of several steps (:class:`~recsdk.embedding.oldest_rows.OldestRows`: the same victims,
+in the same order). A TTL policy also
 frees, at each step, every such row idle for more than its ``max_idle_steps`` (and
 :meth:`IdTableEviction.evict_idle` does it on demand). A mixin of ``IdTable``: it reads the
 table's own arrays; nothing outside the table does.
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from recsdk.embedding.id_table_state import _INT32_MAX, _OCCUPIED
+from recsdk.embedding.oldest_rows import OldestRows
 from recsdk.embedding.policies import LFUEviction, ScoreEviction, TTLEviction
 
 if TYPE_CHECKING:
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from recsdk.embedding.policies import EvictionPolicy
 
 _INT64_MAX = 2**63 - 1
+_QUEUE_STEPS = 16  # a scan for the oldest rows finds this many steps' victims (at the step's count)
+_QUEUE_MIN_ROWS = 4096
 
 __all__ = ["IdTableEviction", "TableFullError"]
 
@@ -56,6 +61,7 @@ class IdTableEviction:
         _stats: dict[str, int]
         _size: int
         _scores: IdTableScores | None
+        _oldest: OldestRows
 
         @property
         def _num_free(self) -> int: ...
@@ -111,6 +117,10 @@ class IdTableEviction:
                 "or set an eviction policy (LRUEviction, LFUEviction, TTLEviction or ScoreEviction)."
             )
         in_use = self._in_use(used)
+        if self._by_last_use() and self._oldest.can_free(
+            num_new - free, self._last_step, self._row_state, self._pins, in_use
+        ):
+            return in_use  # enough of the oldest rows may go: no scan of the whole table
         evictable = int((self._evictable() & ~in_use).sum())
         if free + evictable < num_new:
             raise TableFullError(
@@ -149,6 +159,11 @@ class IdTableEviction:
             key = (self._freq[:hw].long() << 31).bitwise_or_(self._last_step[:hw])
             key.masked_fill_(blocked, torch.iinfo(torch.int64).max)
         else:
+            victims = self._oldest_victims(count, in_use)
+            if victims is not None:
+                self._free_rows(victims)
+                self._stats["evictions"] += count
+                return victims
             key = self._last_step[:hw].masked_fill(blocked, _INT32_MAX)
         kth = torch.kthvalue(key, count).values
         below = (key < kth).nonzero().squeeze(1)
@@ -156,6 +171,24 @@ class IdTableEviction:
         victims = torch.cat([below, ties])
         self._free_rows(victims)
         self._stats["evictions"] += count
+        return victims
+
+    def _by_last_use(self) -> bool:
+        """Whether victims are the least recently used rows (LRU; TTL when the table is full)."""
+        return self._eviction is not None and not isinstance(self._eviction, (LFUEviction, ScoreEviction))
+
+    def _oldest_victims(self, count: int, in_use: torch.Tensor) -> torch.Tensor | None:
+        """The ``count`` least recently used rows that may go, from the queue of the oldest rows
+        (scanned again when it runs short); None where even a fresh scan holds too few."""
+        if count < 1:
+            return None
+        hw = self._high_water
+        args = (self._last_step, self._row_state, self._pins, in_use)
+        victims = self._oldest.take(count, *args)
+        if victims is None:
+            depth = max(_QUEUE_STEPS * count, _QUEUE_MIN_ROWS)
+            self._oldest.refill(self._last_step[:hw], self._row_state[:hw] == _OCCUPIED, depth, self._step)
+            victims = self._oldest.take(count, *args)
         return victims
 
     def _sweep_idle(self, max_idle_steps: int, force: bool = False) -> torch.Tensor:

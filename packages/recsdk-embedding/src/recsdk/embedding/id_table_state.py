@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from recsdk.embedding.count_sketch import CountMinSketch
     from recsdk.embedding.id_table_scores import IdTableScores
+    from recsdk.embedding.oldest_rows import OldestRows
     from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy
 
 __all__ = ["IdTableState"]
@@ -64,6 +65,7 @@ class IdTableState:
         _admission: AdmissionPolicy | None
         _eviction: EvictionPolicy | None
         _last_step: torch.Tensor
+        _oldest: OldestRows
         _freq: torch.Tensor
         _free: torch.Tensor
         _free_top: int
@@ -352,6 +354,7 @@ class IdTableState:
         self._idle_floor = 0
         if "last_step" in meta:
             self._last_step[rows] = meta["last_step"]
+            self._oldest.clear()  # last steps written out of order
         if "freq" in meta:
             self._freq[rows] = meta["freq"]
         self._stats["inserts"] += n
