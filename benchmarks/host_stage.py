@@ -19,7 +19,10 @@ lookup and output dist). Per layout one JSON line:
 - ``gil_ms_per_step``: how long the host stage holds the GIL, measured by a probe thread that
   spins in Python meanwhile: ``wall * (1 - probe rate during / probe rate alone)``. On a GPU the
   training thread is in Python most of a step, so this is the host work that cannot overlap it
-  (measured at a 50 us switch interval, so that the probe delays the host stage little);
+  (measured at a 50 us switch interval, so that the probe delays the host stage little;
+  ``gil_probe_reads`` is what the probe reads, as a share of the core time, on a Python loop
+  that holds the GIL throughout (1.0 when exact) and on one large sort that releases it (0.0):
+  on a busy machine it reads high);
 - ``parts_ms``: per part (``a/b`` is part of ``a``): ``input_checks``, ``bucketing``,
   ``id_exchange``, ``mapping`` (``find_or_insert`` with ``admission`` and ``eviction``,
   ``change_tracking``, ``row_indices``: building the KJTs of rows, ``ledger``: pinning the
@@ -308,6 +311,44 @@ def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock
     return out
 
 
+def _probed_gil_ms(work: Any) -> tuple[float, float]:
+    """``work()``'s core ms, and the ms the probe counts as GIL held during it."""
+    start = time.thread_time()
+    work()
+    core = time.thread_time() - start
+    previous_interval = sys.getswitchinterval()
+    sys.setswitchinterval(PROBE_SWITCH_INTERVAL_S)
+    rate = Probe().rate_alone()
+    with Probe() as probe:
+        time.sleep(0.01)
+        c0, w0 = probe.count, time.perf_counter()
+        work()
+        wall, counted = time.perf_counter() - w0, probe.count - c0
+    sys.setswitchinterval(previous_interval)
+    return 1e3 * core, 1e3 * max(0.0, wall - counted / rate)
+
+
+def _probe_calibration() -> dict[str, float]:
+    """The probe's reading, as a share of the core time, on work known to hold the GIL throughout
+    (a Python loop: 1.0) and on work that releases it (one large torch sort: 0.0)."""
+
+    def python_loop() -> None:
+        total = 0
+        for i in range(2_000_000):
+            total += i
+
+    values = torch.randn(2_000_000)
+
+    def native_op() -> None:
+        torch.sort(values)
+
+    out = {}
+    for name, work in (("python_loop", python_loop), ("native_op", native_op)):
+        core, gil = _probed_gil_ms(work)
+        out[name] = round(gil / core, 2)
+    return out
+
+
 def _measure_input_dist(module: Any, kjts: list[KeyedJaggedTensor], device: torch.device) -> float:
     """TorchRec's host work per step: its input dist (bucketing and the id all-to-all; on a GPU
     the launches of its device work), ms of core time."""
@@ -344,6 +385,7 @@ def _run(args: argparse.Namespace) -> None:
     distinct = [
         max(int(b.sparse_features[f].values().max()) + 1 for b in remapped) for f in feature_names(args.features)
     ]
+    calibration = _probe_calibration()
     for layout in args.layout:
         hash_dmp = _hash_model(args, layout, host, device)
         (hash_module,) = sharded_hash_modules(hash_dmp).values()
@@ -401,6 +443,7 @@ def _run(args: argparse.Namespace) -> None:
             "target_gil_ms_per_step": 4,
             "rounds": args.rounds,
             "steps_per_round": args.steps,
+            "gil_probe_reads": calibration,
         }
         print(json.dumps(line), flush=True)
         del hash_dmp, hash_module, torchrec_module
