@@ -8,7 +8,10 @@ once (``sequence.py`` trains a sequence model of its own and shares the rest):
   ``HashEmbeddingBagCollection`` on raw ids, or TorchRec's ``EmbeddingBagCollection``);
 - :func:`shard` (any model, ``sequence.py``'s too): Adagrad fused into the tables' backward,
   TorchRec's planner (or recsdk's ``HybridEmbeddingShardingPlanner``) over the world,
-  ``DistributedModelParallel`` on CPU, dense Adagrad, both in one ``CombinedOptimizer``;
+  ``DistributedModelParallel`` on the CPU or a GPU, dense Adagrad, both in one ``CombinedOptimizer``;
+- :func:`parse_device_args`, :func:`launch` and :func:`device_of`: every training benchmark's
+  ``--device cpu|cuda`` and ``--world-size`` (CPU: spawned ranks over gloo; CUDA: one rank in
+  this process over nccl, the CPU tensors' collectives on a gloo group);
 - :func:`random_batches` and :func:`remap_ids`: the synthetic batches of raw ids, and the same
   ids remapped offline to ``0..N-1`` per feature (or per table shared by several features),
   what TorchRec's baselines are fed.
@@ -18,6 +21,7 @@ Not a benchmark itself (``nox -s bench`` runs only the scripts not starting with
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -51,6 +55,7 @@ __all__ = [
     "fill_hash_tables",
     "host_env",
     "launch",
+    "parse_device_args",
     "random_batches",
     "remap_ids",
     "set_threads",
@@ -324,18 +329,48 @@ def launch(fn: Any, world_size: int, device: str, *args: Any, timeout_s: float =
         dist.destroy_process_group()
 
 
+def parse_device_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None = None, world_size: int = 2
+) -> argparse.Namespace:
+    """``parser``'s arguments plus ``--device {cpu,cuda}`` (default cpu) and ``--world-size``.
+
+    ``--world-size`` defaults to ``world_size`` on CPU and to 1 on CUDA, the one value
+    :func:`launch` takes there (one rank on one GPU); any other with ``--device cuda`` is refused
+    by ``parser.error``, naming what runs instead.
+    """
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cpu: ranks over gloo; cuda: one rank on one GPU"
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=None, help=f"ranks (default: {world_size} on cpu, 1 on cuda, its only value)"
+    )
+    args = parser.parse_args(argv)
+    if args.world_size is None:
+        args.world_size = 1 if args.device == "cuda" else world_size
+    if args.device == "cuda" and args.world_size != 1:
+        parser.error(
+            f"--device cuda runs one rank on one GPU (nccl cannot run two ranks on one): use --world-size 1, "
+            f"or --device cpu for {args.world_size} ranks over gloo"
+        )
+    return args
+
+
 def device_of(name: str) -> torch.device:
     """The lookup device of a benchmark's ``--device``: ``cpu``, or the process's current GPU."""
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
-def slowest_rank_seconds(fn: Any) -> float:
-    """Seconds ``fn()`` takes on the slowest rank (collective: a barrier before, a max after)."""
+def slowest_rank_seconds(fn: Any, group: dist.ProcessGroup | None = None) -> float:
+    """Seconds ``fn()`` takes on the slowest rank (collective: a barrier before, a max after).
+
+    ``group``: where the max of the (CPU) times is taken; pass a gloo group (e.g. the host
+    env's) when the default group is nccl (a CUDA run); ``None``: the default group.
+    """
     dist.barrier()
     start = time.perf_counter()
     fn()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return float(elapsed)
 
 

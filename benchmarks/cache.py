@@ -1,7 +1,9 @@
 """Device cache throughput and memory: hash tables behind a cache vs all in the fused kernel.
 
-Two ranks on gloo train the DLRM of ``_common.py`` (one row-wise hash table per feature, Adagrad
-fused into the backward) on Zipf-distributed raw ids. Variants of the same tables, trained in
+Two ranks on gloo (``--device cuda``: one rank on one GPU over nccl, the host groups on gloo;
+where the cached kernels are meant to run, the fused kernel's rows in GPU memory) train the DLRM
+of ``_common.py`` (one row-wise hash table per feature, Adagrad fused into the backward) on
+Zipf-distributed raw ids. Variants of the same tables, trained in
 the same run on the same batches:
 
 - ``resident``: every row in the fused kernel (``compute_kernels=["fused"]``), the baseline;
@@ -37,7 +39,12 @@ whose weights take ``G`` GB (plus the Adagrad state, as much again), with the me
 cache; one line with the machine's available memory before, the store's file size and the bytes
 it wrote, samples/s, each rank's RssAnon and RssFile, the cache hit rate.
 
-    python benchmarks/cache.py [--batch-size 1024] [--steps 20] [--rounds 7] [--no-memory]
+Every variant trains in the plain loop, its batches already on the device. On CUDA each memory
+and large run is one rank in a process of its own (so its RSS starts fresh), and its lines also
+give the GPU memory the rank peaked at (``cuda_max_allocated_mb_per_rank``): the resident rows
+live there, not in RssAnon.
+
+    python benchmarks/cache.py [--batch-size 1024] [--steps 20] [--rounds 7] [--no-memory] [--device cpu|cuda]
     python benchmarks/cache.py --memory-gb 0.5   # the smaller pair 0.5 -> 2 GB
     python benchmarks/cache.py --large-gb 20 --tmp-dir /var/tmp   # a 40 GB store
 """
@@ -57,9 +64,12 @@ from typing import Any
 import torch
 from _common import (
     DLRM,
+    device_of,
     embedding_collection,
     feature_names,
     host_env,
+    launch,
+    parse_device_args,
     random_batches,
     set_threads,
     shard,
@@ -70,7 +80,6 @@ from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import CacheAlgorithm, CacheParams, KeyValueParams
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
 from recsdk.sharding import get_default_hybrid_sharders, sharded_hash_modules
 
 TARGET_SPEED = 0.8  # cache / resident samples/s at load factor 0.25
@@ -98,7 +107,15 @@ def _variants(args: argparse.Namespace) -> dict[str, tuple[str, float | None]]:
 
 
 def _build(
-    kernel: str, load_factor: float | None, *, tables: int, dim: int, rows: int, batch_size: int, directory: str | None
+    kernel: str,
+    load_factor: float | None,
+    *,
+    tables: int,
+    dim: int,
+    rows: int,
+    batch_size: int,
+    directory: str | None,
+    device: torch.device,
 ) -> tuple[Any, Any]:
     """The DLRM with ``tables`` hash tables of ``rows`` rows, sharded with ``kernel``, and its optimizer."""
     torch.manual_seed(0)
@@ -107,7 +124,8 @@ def _build(
     model = DLRM(embedding_collection(configs), features, dim)
     store_dir = directory if kernel == "key_value" else None
     constraints = {c.name: _constraints(kernel, load_factor, store_dir) for c in configs}
-    return shard(model, get_default_hybrid_sharders(host_env=host_env()), constraints, batch_size, enumerator="hybrid")
+    sharders = get_default_hybrid_sharders(host_env=host_env())
+    return shard(model, sharders, constraints, batch_size, enumerator="hybrid", device=device)
 
 
 def _cache_counts(model: Any) -> dict[str, float]:
@@ -139,6 +157,7 @@ def _timed(model: Any, optimizer: Any, batches: list[Batch], warmup: int) -> tup
 
 def _speed(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
+    device = device_of(args.device)
     per_round = args.warmup + args.steps
     batches = random_batches(
         batch_size=args.batch_size,
@@ -149,6 +168,7 @@ def _speed(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
         rank=rank,
         world_size=world_size,
     )
+    batches = [b.to(device) for b in batches]  # the plain loop's, on the device (on CPU: the same)
     runs = {}
     for name, (kernel, lf) in _variants(args).items():
         runs[name] = _build(
@@ -159,6 +179,7 @@ def _speed(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
             rows=args.rows,
             batch_size=args.batch_size,
             directory=args.store_dir,
+            device=device,
         )
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     counts: dict[str, dict[str, float]] = {name: {} for name in runs}
@@ -191,6 +212,7 @@ def _rss() -> dict[str, int]:
 
 def _memory(rank: int, world_size: int, args: argparse.Namespace, kernel: str, rows: int) -> dict[str, Any]:
     set_threads(args.threads)
+    device = device_of(args.device)
     before = _rss()
     start = time.perf_counter()
     shard_rows = rows // world_size
@@ -203,6 +225,7 @@ def _memory(rank: int, world_size: int, args: argparse.Namespace, kernel: str, r
         rows=rows,
         batch_size=args.batch_size,
         directory=args.store_dir,
+        device=device,
     )
     built = time.perf_counter() - start
     batches = random_batches(
@@ -214,11 +237,13 @@ def _memory(rank: int, world_size: int, args: argparse.Namespace, kernel: str, r
         rank=rank,
         world_size=world_size,
     )
-    speed = train_samples_per_s(model, optimizer, batches, 0)
+    speed = train_samples_per_s(model, optimizer, [b.to(device) for b in batches], 0)
     after = _rss()
     store_bytes = sum(f.stat().st_size for f in Path(args.store_dir).rglob("*") if f.is_file())
     written = sum(f.stat().st_blocks * 512 for f in Path(args.store_dir).rglob("*") if f.is_file())
+    cuda = {"cuda_max_allocated": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}
     return {
+        **cuda,
         "before": before,
         "after": after,
         "build_s": built,
@@ -235,6 +260,26 @@ def _memory_rows(args: argparse.Namespace, scale: int) -> int:
     return rows - rows % args.world_size
 
 
+def _launch_fresh(fn: Any, args: argparse.Namespace, *rest: Any, timeout_s: float) -> list[Any]:
+    """``launch`` in new processes: on CPU its spawned ranks; on CUDA the one rank in a spawned
+    process of its own (``launch`` runs it in this one), so RSS and GPU memory start fresh."""
+    if args.device == "cpu":
+        return launch(fn, args.world_size, args.device, args, *rest, timeout_s=timeout_s)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        job = pool.submit(launch, fn, args.world_size, args.device, args, *rest, timeout_s=timeout_s)
+        return job.result(timeout=timeout_s)
+
+
+def _cuda_mb(outs: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """``cuda_max_allocated_mb_per_rank`` where the runs were on a GPU; nothing on CPU."""
+    if "cuda_max_allocated" not in outs[0]:
+        return {}
+    return {"cuda_max_allocated_mb_per_rank": [round(o["cuda_max_allocated"] / 2**20) for o in outs]}
+
+
 def _fresh_dir(base: str, name: str) -> str:
     path = Path(base) / name
     shutil.rmtree(path, ignore_errors=True)
@@ -244,7 +289,6 @@ def _fresh_dir(base: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024, help="per rank")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round")
@@ -273,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
-    args = parser.parse_args(argv)
+    args = parse_device_args(parser, argv)
     base = tempfile.mkdtemp(prefix="recsdk_cache_bench_", dir=args.tmp_dir)
     try:
         if args.large_gb is not None:
@@ -291,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
 def _report_speed(args: argparse.Namespace, base: str) -> None:
     args.store_dir = _fresh_dir(base, "speed")
     start = time.perf_counter()
-    outs = run_distributed(_speed, args.world_size, args, timeout_s=1800)
+    outs = launch(_speed, args.world_size, args.device, args, timeout_s=1800)
     elapsed = time.perf_counter() - start
     shutil.rmtree(args.store_dir, ignore_errors=True)
     speeds = outs[0]["speeds"]
     common = {
         "benchmark": "cache",
         "world_size": args.world_size,
+        "device": args.device,
         "batch_size_per_rank": args.batch_size,
         "tables": args.tables,
         "dim": args.dim,
@@ -346,6 +391,7 @@ def _report_memory(args: argparse.Namespace, base: str) -> None:
         "benchmark": "cache",
         "part": "memory",
         "world_size": args.world_size,
+        "device": args.device,
         "batch_size_per_rank": args.batch_size,
         "dim": args.memory_dim,
         "steps": args.memory_steps,
@@ -357,7 +403,7 @@ def _report_memory(args: argparse.Namespace, base: str) -> None:
         for store, kernel in (("file", "key_value"), ("resident", "fused")):
             args.store_dir = _fresh_dir(base, f"memory_{scale}")
             start = time.perf_counter()
-            outs = run_distributed(_memory, args.world_size, args, kernel, rows, timeout_s=1800)
+            outs = _launch_fresh(_memory, args, kernel, rows, timeout_s=1800)
             elapsed = time.perf_counter() - start
             shutil.rmtree(args.store_dir, ignore_errors=True)
             rss[(store, scale)] = [out["after"]["RssAnon"] for out in outs]
@@ -369,6 +415,7 @@ def _report_memory(args: argparse.Namespace, base: str) -> None:
             if store == "file":
                 line["cache_slots_per_rank"] = [int(out["counts"]["cache_slots"]) for out in outs]
                 line["store_rows_used_per_rank"] = [int(out["counts"]["store_rows_used"]) for out in outs]
+            line.update(_cuda_mb(outs))
             line["build_s"] = round(max(out["build_s"] for out in outs), 1)
             line["wall_s"] = round(elapsed, 1)
             print(json.dumps(line), flush=True)
@@ -409,11 +456,12 @@ def _report_large(args: argparse.Namespace, base: str) -> None:
     args.store_dir = _fresh_dir(base, "large")
     available = _mem_available()
     start = time.perf_counter()
-    outs = run_distributed(_memory, args.world_size, args, "key_value", rows, timeout_s=3600)
+    outs = _launch_fresh(_memory, args, "key_value", rows, timeout_s=3600)
     line = {
         "benchmark": "cache",
         "part": "large_file_store",
         "world_size": args.world_size,
+        "device": args.device,
         "batch_size_per_rank": args.batch_size,
         "dim": args.memory_dim,
         "steps": args.memory_steps,
@@ -425,6 +473,7 @@ def _report_large(args: argparse.Namespace, base: str) -> None:
         "samples_per_s": round(outs[0]["samples_per_s"], 1),
         "rss_anon_mb_per_rank": [round(o["after"]["RssAnon"] / 2**20) for o in outs],
         "rss_file_mb_per_rank": [round(o["after"]["RssFile"] / 2**20) for o in outs],
+        **_cuda_mb(outs),
         "cache_slots_per_rank": [int(o["counts"]["cache_slots"]) for o in outs],
         "store_rows_used_per_rank": [int(o["counts"]["store_rows_used"]) for o in outs],
         "cache_hit_rate": round(

@@ -16,6 +16,8 @@ interleaving the sizes and taking the median over ``--repeats``:
   with int64, the id all-to-alls), fitted as ``comm_s_per_call + bytes_crossing * comm_s_per_byte``
   where ``bytes_crossing`` is what a rank sends to the other ranks.
 
+No ``--device``: it trains no model; the constants it measures are the host's (CPU kernels, gloo).
+
 Prints one JSON line per constant (``constant``, ``value``, ``unit``, and the fit's points), the
 median over ranks; paste the values into ``DEFAULT_COSTS`` in ``cost_model.py`` to re-calibrate.
 

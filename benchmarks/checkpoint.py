@@ -1,6 +1,7 @@
 """Checkpoint throughput: ``save_checkpoint``/``load_checkpoint`` vs plain ``torch.save``/``torch.load``.
 
-Two ranks on gloo hold a model with hash tables sharded row-wise (fused Adagrad, so every row
+Two ranks on gloo (``--world-size``; ``--device cuda``: one rank on one GPU over nccl, the host
+group on gloo) hold a model with hash tables sharded row-wise (fused Adagrad, so every row
 also has optimizer state), their id tables filled to ``--fill`` of capacity. In the same run,
 each round measures, slowest rank counted:
 
@@ -18,7 +19,7 @@ each round measures, slowest rank counted:
   the files (each rank its share), measured alone;
 - ``load_reshard`` (one rank, after the two-rank runs): ``load_checkpoint`` of the two-rank
   checkpoint on one rank, rebuilding the tables by id, against the bare ``torch.load`` of
-  both files (which reshards nothing).
+  both files (which reshards nothing). Only from two ranks or more: not on CUDA (one rank).
 
 MB/s counts the bytes of the checkpointed tensors. One JSON line per measurement with the
 ratio to the baseline (target >= 0.5); medians over ``--rounds``.
@@ -34,9 +35,11 @@ modes in a rotating order each round, slowest rank counted:
   waiting for the previous write) over the time of a synchronous save (target <= 0.25);
 - ``resume``: seconds from the start of a resumed job's work (process and imports done) to the
   end of its first step: build, ``load_checkpoint``, the first ``progress``; against a fresh job
-  (the same without the load).
+  (the same without the load). On CUDA the jobs run in this process one after another (``launch``
+  runs the one rank here): the imports and the CUDA context are warm for every one.
 
     python benchmarks/checkpoint.py [--rows 262144] [--dim 64] [--tables 2] [--fill 0.8] [--rounds 3]
+        [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -48,12 +51,13 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import slowest_rank_seconds as _timed
+from _common import device_of, launch, parse_device_args, slowest_rank_seconds
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -63,7 +67,6 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recsdk.data import Batch, RandomRecDataset
-from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import (
@@ -99,7 +102,11 @@ class Model(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
 
 
-def _build(args: argparse.Namespace, rows: int) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+def _build(
+    args: argparse.Namespace, rows: int
+) -> tuple[DistributedModelParallel, CombinedOptimizer, dist.ProcessGroup]:
+    """The sharded model on ``--device``, its optimizer, and the host (gloo) group: the CPU
+    tensors' collectives go there (the default group is nccl on CUDA)."""
     torch.manual_seed(0)
     model = Model(args.tables, rows, args.dim)
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.05})
@@ -108,15 +115,15 @@ def _build(args: argparse.Namespace, rows: int) -> tuple[DistributedModelParalle
     sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size, dist.get_rank(), host_pg))
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"), constraints=constraints
+        topology=Topology(world_size=world_size, compute_device=args.device), constraints=constraints
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    ddp_model = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    ddp_model = DistributedModelParallel(model, device=device_of(args.device), plan=plan, sharders=sharders)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(ddp_model.named_parameters())),
         lambda params: torch.optim.Adagrad(params, lr=0.05),
     )
-    return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense])
+    return ddp_model, CombinedOptimizer([ddp_model.fused_optimizer, dense]), host_pg
 
 
 def _sebc(model: nn.Module) -> ShardedHashEmbeddingBagCollection:
@@ -199,11 +206,13 @@ def _threads(args: argparse.Namespace) -> None:
 
 def _two_ranks(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     _threads(args)
-    model, optimizer = _build(args, args.rows)
+    model, optimizer, host = _build(args, args.rows)
     _fill(model, args.fill, rank, world_size)
     plain = _plain_state(model, optimizer)
     local_bytes = torch.tensor([_nbytes(plain)], dtype=torch.int64)
-    dist.all_reduce(local_bytes)
+    dist.all_reduce(local_bytes, group=host)
+    _timed = partial(slowest_rank_seconds, group=host)  # CPU times: the max over the gloo group
+
     keys = (
         "save",
         "save_base",
@@ -240,7 +249,9 @@ def _checksum_share(ckpt: str, rank: int, world_size: int) -> None:
 
 def _one_rank(rank: int, world_size: int, args: argparse.Namespace, ckpt: str, plain_files: list[str]) -> dict:
     _threads(args)
-    model, optimizer = _build(args, args.rows)  # one rank holds every table whole: room for all ids
+    model, optimizer, host = _build(args, args.rows)  # one rank holds every table whole: room for all ids
+    _timed = partial(slowest_rank_seconds, group=host)  # CPU times: the max over the gloo group
+
     times: dict[str, list[float]] = {"load_reshard": [], "load_reshard_base": []}
     for _ in range(args.rounds):
         times["load_reshard"].append(_timed(lambda: load_checkpoint(model, optimizer, ckpt)))
@@ -266,13 +277,15 @@ def _batches(args: argparse.Namespace, rank: int, world_size: int, seed: int) ->
 def _train_modes(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     """Per round, ``--train-steps`` steps with no checkpoint, synchronous ones and asynchronous ones."""
     _threads(args)
-    model, optimizer = _build(args, args.rows)
+    model, optimizer, host = _build(args, args.rows)
     batches = _batches(args, rank, world_size, seed=5)
+    _timed = partial(slowest_rank_seconds, group=host)  # CPU times: the max over the gloo group
+
     checkpointer = AsyncCheckpointer(model, optimizer)
     seconds: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
     saves: dict[str, list[float]] = {"sync": [], "async": []}
-    cpu = torch.device("cpu")
-    with HybridTrainPipelineSparseDist(model, optimizer, cpu, pipe_n_batch=2) as pipeline:
+    device = device_of(args.device)
+    with HybridTrainPipelineSparseDist(model, optimizer, device, pipe_n_batch=2) as pipeline:
         for r in range(args.rounds):
             modes = ["none", "sync", "async"]
             for mode in modes[r % 3 :] + modes[: r % 3]:
@@ -289,6 +302,8 @@ def _train_modes(rank: int, world_size: int, args: argparse.Namespace, root: str
                             else:
                                 saves["async"].append(_timed(lambda p=path: checkpointer.save(p)))
                     pipeline.drain()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # the last step's device work in the time
 
                 seconds[mode].append(_timed(run))
                 checkpointer.wait()  # the last write ends before the next mode's timing
@@ -308,20 +323,23 @@ def _first_step(rank: int, world_size: int, args: argparse.Namespace, ckpt: str 
     """Seconds from here (process started, imports done) to the end of the first step; resumed from ``ckpt``."""
     start = time.perf_counter()
     _threads(args)
-    model, optimizer = _build(args, args.rows)
+    model, optimizer, host = _build(args, args.rows)
     if ckpt is not None:
         load_checkpoint(model, optimizer, ckpt)
-    with HybridTrainPipelineSparseDist(model, optimizer, torch.device("cpu"), pipe_n_batch=2) as pipeline:
+    device = device_of(args.device)
+    with HybridTrainPipelineSparseDist(model, optimizer, device, pipe_n_batch=2) as pipeline:
         pipeline.progress(_batches(args, rank, world_size, seed=9))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's end: its device work done
         elapsed = time.perf_counter() - start
     slowest = torch.tensor([elapsed])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=host)
     return float(slowest)
 
 
 def _report_training(args: argparse.Namespace, root: str, setup: dict[str, Any]) -> None:
-    trained = run_distributed(_train_modes, 2, args, root, timeout_s=1800)[0]
-    samples = args.train_steps * args.train_batch_size * 2
+    trained = launch(_train_modes, args.world_size, args.device, args, root, timeout_s=1800)[0]
+    samples = args.train_steps * args.train_batch_size * args.world_size
     none = statistics.median(trained["seconds"]["none"])
     line: dict[str, Any] = {
         "op": "train_with_checkpoints",
@@ -346,8 +364,8 @@ def _report_training(args: argparse.Namespace, root: str, setup: dict[str, Any])
     print(json.dumps({**line, **setup}), flush=True)
     fresh, resumed = [], []
     for _ in range(args.rounds):
-        fresh.append(run_distributed(_first_step, 2, args, None, timeout_s=600)[0])
-        resumed.append(run_distributed(_first_step, 2, args, trained["last"], timeout_s=600)[0])
+        fresh.append(launch(_first_step, args.world_size, args.device, args, None, timeout_s=600)[0])
+        resumed.append(launch(_first_step, args.world_size, args.device, args, trained["last"], timeout_s=600)[0])
     line = {
         "op": "resume",
         "first_step_seconds": round(statistics.median(resumed), 3),
@@ -371,13 +389,14 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=60, help="steps per training mode (0: skip)")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints in training")
     parser.add_argument("--train-batch-size", type=int, default=1024, help="samples per rank and step in training")
-    args = parser.parse_args()
+    args = parse_device_args(parser)
     root = tempfile.mkdtemp(prefix="recsdk-ckpt-bench-", dir=args.dir)
     try:
-        results = run_distributed(_two_ranks, 2, args, root, timeout_s=600)
+        results = launch(_two_ranks, args.world_size, args.device, args, root, timeout_s=600)
         total = results[0]["bytes"]
         mb = total / 1e6
-        setup = {"world_size": 2, "tables": args.tables, "rows": args.rows, "dim": args.dim, "fill": args.fill}
+        setup = {"world_size": args.world_size, "tables": args.tables, "rows": args.rows, "dim": args.dim}
+        setup |= {"fill": args.fill, "device": args.device}
         times = results[0]["times"]
         for op, base in (("save", "save_base"), ("load", "load_base")):
             t, b = statistics.median(times[op]), statistics.median(times[base])
@@ -402,9 +421,9 @@ def main() -> None:
                 line["no_verify_seconds"] = round(no_verify, 3)
                 line["verify_cost"] = round(t / no_verify - 1, 3)
             print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **setup}), flush=True)
-        if not args.no_reshard:
-            plain_files = [os.path.join(root, f"plain{args.rounds - 1}.rank{r}.pt") for r in range(2)]
-            one = run_distributed(_one_rank, 1, args, results[0]["last"], plain_files, timeout_s=600)[0]
+        if not args.no_reshard and args.world_size > 1:  # one rank to one: nothing to reshard
+            plain_files = [os.path.join(root, f"plain{args.rounds - 1}.rank{r}.pt") for r in range(args.world_size)]
+            one = launch(_one_rank, 1, args.device, args, results[0]["last"], plain_files, timeout_s=600)[0]
             t = statistics.median(one["times"]["load_reshard"])
             b = statistics.median(one["times"]["load_reshard_base"])
             line = {
@@ -413,7 +432,7 @@ def main() -> None:
                 "baseline": "torch.load (read only: no resharding)",
                 "baseline_mb_per_s": round(mb / b, 1),
                 "ratio": round(b / t, 3),
-                "from_world_size": 2,
+                "from_world_size": args.world_size,
                 "ids_loaded": one["stored"],
             }
             print(json.dumps({**line, "mb": round(mb, 1), "seconds": round(t, 3), **{**setup, "world_size": 1}}))

@@ -19,6 +19,8 @@ measurement, every rate in rows/s, each ratio against a baseline timed in the sa
 - ``demo_training``: for scale, the samples/s the little demo's training consumes from the
   converted data (2 ranks, ``--demo-steps`` steps); ``--no-demo`` leaves it out.
 
+No ``--device``: the readers and converters are host code; the demo's 2 ranks train on the CPU (``--device cpu``).
+
     python benchmarks/data_readers.py                      # 1M lines
     python benchmarks/data_readers.py --lines 200000 --rounds 3 --no-demo
 """
@@ -274,7 +276,8 @@ def bench_read(columnar: Path, npy: Path, batch_size: int, rounds: int) -> dict[
 
 def bench_demo(columnar: Path, tmp: Path, steps: int) -> dict[str, object]:
     out = tmp / "demo"
-    flags = ["--world-size", "2", "--data", "columnar", "--data-path", str(columnar), "--steps", str(steps)]
+    flags = ["--world-size", "2", "--device", "cpu", "--data", "columnar", "--data-path", str(columnar)]
+    flags += ["--steps", str(steps)]
     flags += ["--eval-every", "0", "--out", str(out)]
     proc = subprocess.run([sys.executable, str(DEMO), *flags], capture_output=True, text=True, check=False)
     if proc.returncode != 0:

@@ -1,6 +1,7 @@
 """Pipeline throughput: HybridTrainPipelineSparseDist against a plain loop and TorchRec's pipeline.
 
-Two ranks on gloo, the same DLRM-style model and the same batches, in one run:
+Two ranks on gloo (``--device cuda``: one rank on one GPU over nccl, the host groups on gloo),
+the same DLRM-style model and the same batches, in one run:
 
 - ``hybrid_pipeline_vs_plain_loop``: ``HybridTrainPipelineSparseDist`` against the plain loop
   ``loss, out = model(batch); loss.backward(); optimizer.step(); optimizer.zero_grad()`` on the
@@ -12,8 +13,8 @@ Two ranks on gloo, the same DLRM-style model and the same batches, in one run:
   sharding) fed the same ids remapped offline to ``0..N-1``. Target: >= 1.0x.
 - ``hybrid_pipeline_host_thread_vs_plain_loop``: the same pipeline with ``host_thread=True``
   (the host stages on its background thread; on a CPU device the default keeps TorchRec's
-  schedule on the calling thread) against the plain loop. No target: it shows what the thread
-  gains or costs on this machine.
+  schedule on the calling thread; on a GPU it is on by default there too) against the plain
+  loop. No target: it shows what the thread gains or costs on this machine.
 
 Variants alternate (``--rounds``); each line gives the median samples/s of each side (all ranks
 together) and the median over rounds of their ratio within a round. The plain-loop line also
@@ -23,7 +24,10 @@ the same CPU work the pipeline gains at most ``overlap_ceiling`` = 1 / the plain
 Each rank runs ``--threads`` intra-op threads (default 1, what torchrun gives several ranks per
 host). ``--world-size 1 --threads 1`` leaves the host thread a core of its own on a 2-core machine.
 
+On CUDA the plain loop is given its batches already on the GPU (the pipelines copy theirs).
+
     python benchmarks/pipeline.py [--batch-size 1024] [--steps 20] [--rounds 7] [--pipe-n-batch 2]
+        [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ import torch
 import torch.distributed as dist
 from _common import (
     DLRM,
+    device_of,
     embedding_collection,
     feature_names,
     host_env,
+    launch,
+    parse_device_args,
     random_batches,
     remap_ids,
     set_threads,
@@ -57,7 +64,6 @@ from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from recsdk.data import Batch
-from recsdk.data.testing import run_distributed
 from recsdk.pipeline import CombinedOptimizer, HybridTrainPipelineSparseDist
 from recsdk.sharding import ShardedHashEmbeddingBagCollection, get_default_hybrid_sharders
 
@@ -87,7 +93,7 @@ def _build(hashed: bool, args: argparse.Namespace) -> tuple[DistributedModelPara
     model = DLRM(embedding_collection(configs), features, args.dim, args.hidden)
     sharders = get_default_hybrid_sharders(host_env=host_env())  # a host group of its own per model
     constraints = {c.name: ParameterConstraints(sharding_types=["row_wise"]) for c in configs}
-    return shard(model, sharders, constraints, args.batch_size)
+    return shard(model, sharders, constraints, args.batch_size, device=device_of(args.device))
 
 
 class HostStageTimer:
@@ -145,24 +151,24 @@ def _timed(step: Callable[[Iterator[Batch]], Any], it: Iterator[Batch], steps: i
 
 def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
+    device = device_of(args.device)
     raw = _batches(args, rank, world_size)
     remapped = _remapped(args, world_size, rank)
+    plain_batches = [b.to(device) for b in raw]  # the pipelines copy theirs (on CPU: the same batches)
 
     plain_model, plain_opt = _build(True, args)
     timer = HostStageTimer(next(m for m in plain_model.modules() if isinstance(m, ShardedHashEmbeddingBagCollection)))
     hybrid_model, hybrid_opt = _build(True, args)
-    hybrid = HybridTrainPipelineSparseDist(
-        hybrid_model, hybrid_opt, torch.device("cpu"), pipe_n_batch=args.pipe_n_batch
-    )
+    hybrid = HybridTrainPipelineSparseDist(hybrid_model, hybrid_opt, device, pipe_n_batch=args.pipe_n_batch)
     threaded_model, threaded_opt = _build(True, args)
     threaded = HybridTrainPipelineSparseDist(
-        threaded_model, threaded_opt, torch.device("cpu"), pipe_n_batch=args.pipe_n_batch, host_thread=True
+        threaded_model, threaded_opt, device, pipe_n_batch=args.pipe_n_batch, host_thread=True
     )
     torchrec_model, torchrec_opt = _build(False, args)
-    torchrec = TrainPipelineSparseDist(torchrec_model, torchrec_opt, torch.device("cpu"))
+    torchrec = TrainPipelineSparseDist(torchrec_model, torchrec_opt, device)
 
     variants: dict[str, tuple[Callable[[Iterator[Batch]], Any], Iterator[Batch]]] = {
-        "plain_loop": (_plain_step(plain_model, plain_opt), itertools.cycle(raw)),
+        "plain_loop": (_plain_step(plain_model, plain_opt), itertools.cycle(plain_batches)),
         "hybrid_pipeline": (hybrid.progress, itertools.cycle(raw)),
         "hybrid_pipeline_host_thread": (threaded.progress, itertools.cycle(raw)),
         "torchrec_pipeline": (torchrec.progress, itertools.cycle(remapped)),
@@ -187,7 +193,6 @@ def _bench(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024, help="samples per rank and step")
     parser.add_argument("--features", type=int, default=8, help="sparse features, one table each")
     parser.add_argument("--pooling", type=float, default=8.0, help="mean ids per bag")
@@ -202,9 +207,9 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (1 as under torchrun; 0: torch's default)"
     )
-    args = parser.parse_args()
+    args = parse_device_args(parser)
 
-    per_rank = run_distributed(_bench, args.world_size, args, timeout_s=600)
+    per_rank = launch(_bench, args.world_size, args.device, args, timeout_s=600)
     samples = args.batch_size * args.world_size * args.steps
 
     def round_seconds(name: str) -> list[float]:
@@ -232,6 +237,7 @@ def main() -> None:
     common = {
         "benchmark": "pipeline",
         "world_size": args.world_size,
+        "device": args.device,
         "batch_size": args.batch_size,
         "features": args.features,
         "pooling": args.pooling,

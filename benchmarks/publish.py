@@ -1,6 +1,7 @@
 """Publishing versions for serving: full versions, deltas, and what publishing costs training.
 
-Two ranks on gloo hold the benchmarks' DLRM with ``--tables`` hash tables sharded row-wise, their
+Two ranks on gloo (``--world-size``; ``--device cuda``: one rank on one GPU over nccl, the host
+group on gloo) hold the benchmarks' DLRM with ``--tables`` hash tables sharded row-wise, their
 id tables filled to ``--ids`` ids in all (fused Adagrad). In the same run, one JSON line each:
 
 - ``full``: ``Publisher.publish`` of a full version (every id with its row, fp32) against
@@ -22,7 +23,9 @@ for all three variants), so a round with deltas publishes ``round-s / publish-ev
 
 Medians over ``--rounds`` interleaved rounds.
 
-    python benchmarks/publish.py [--ids 1000000] [--dim 64] [--rounds 5]
+Training runs the plain loop, its batches already on the device.
+
+    python benchmarks/publish.py [--ids 1000000] [--dim 64] [--rounds 5] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ import torch
 import torch.distributed as dist
 from _common import (
     DLRM,
+    device_of,
     embedding_collection,
     feature_names,
     fill_hash_tables,
     host_env,
+    launch,
+    parse_device_args,
     random_batches,
     set_threads,
     shard,
@@ -51,13 +57,14 @@ from _common import (
     table_configs,
 )
 
-from recsdk.data.testing import run_distributed
 from recsdk.sharding import Publisher, export_embeddings, get_default_hybrid_sharders, sharded_hash_modules
 
 BATCH = 1024
 
 
-def _build(args: argparse.Namespace) -> Any:
+def _build(args: argparse.Namespace) -> tuple[Any, Any, dist.ProcessGroup]:
+    """The sharded model on ``--device``, its optimizer, and its host (gloo) group: the CPU
+    tensors' collectives go there (the default group is nccl on CUDA)."""
     torch.manual_seed(0)
     features = feature_names(args.tables)
     rows = int(args.ids / args.tables / 0.8)  # id tables 80% full
@@ -65,8 +72,10 @@ def _build(args: argparse.Namespace) -> Any:
     from torchrec.distributed.planner import ParameterConstraints
 
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["row_wise"]) for i in range(args.tables)}
-    sharders = get_default_hybrid_sharders(host_env=host_env())
-    return shard(model, sharders, constraints, BATCH)
+    host = host_env()
+    sharders = get_default_hybrid_sharders(host_env=host)
+    dmp, optimizer = shard(model, sharders, constraints, BATCH, device=device_of(args.device))
+    return dmp, optimizer, host.process_group
 
 
 def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
@@ -82,7 +91,7 @@ def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
         removed = pick[: pick.numel() // 10]
         trained = pick[pick.numel() // 10 :]
         with torch.no_grad():
-            half = rows[trained[: trained.numel() // 2]]
+            half = rows[trained[: trained.numel() // 2]].to(views[name].weight.device)
             views[name].weight[half] += 0.01
         table.changes.changed(rows[trained])
         table.remove(ids[removed])
@@ -90,25 +99,25 @@ def _change(dmp: Any, share: float, rank: int, round_: int) -> int:
     return changed
 
 
-def _rows_bytes(dmp: Any) -> int:
+def _rows_bytes(dmp: Any, host: dist.ProcessGroup) -> int:
     (module,) = sharded_hash_modules(dmp).values()
     total = torch.tensor([sum(len(t) * module.table_configs[n].embedding_dim * 4 for n, t in module.id_tables.items())])
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=host)
     return int(total)
 
 
 def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     set_threads(args.threads)
-    dmp, _ = _build(args)
+    dmp, _, host = _build(args)
     fill_hash_tables(dmp, args.ids // args.tables, rank, world_size)
-    nbytes = _rows_bytes(dmp)
+    nbytes = _rows_bytes(dmp, host)
     full_s, export_s, full_bytes = [], [], []
     fulls = Publisher(dmp, os.path.join(root, "full"), full_every=1, keep=1)
     for r in range(args.rounds):
-        full_s.append(slowest_rank_seconds(lambda r=r: fulls.publish(step=r)))
+        full_s.append(slowest_rank_seconds(lambda r=r: fulls.publish(step=r), host))
         full_bytes.append(fulls.records[-1].bytes)
         path = os.path.join(root, f"export{r}")
-        export_s.append(slowest_rank_seconds(lambda path=path: export_embeddings(dmp, path)))
+        export_s.append(slowest_rank_seconds(lambda path=path: export_embeddings(dmp, path), host))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path)
@@ -127,8 +136,8 @@ def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, ro
         seconds, sizes, extra = [], [], []
         for r in range(args.rounds):
             changed = torch.tensor([_change(dmp, share, rank, r)])
-            dist.all_reduce(changed)
-            seconds.append(slowest_rank_seconds(lambda r=r: deltas.publish(step=r)))
+            dist.all_reduce(changed, group=host)
+            seconds.append(slowest_rank_seconds(lambda r=r: deltas.publish(step=r), host))
             record = deltas.records[-1]
             sizes.append(record.bytes)
             extra.append(record.ids + record.deleted - int(changed))
@@ -142,8 +151,9 @@ def _publish_and_export(rank: int, world_size: int, args: argparse.Namespace, ro
 
 def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
     set_threads(args.threads)
-    plain, plain_opt = _build(args)
-    tracked, tracked_opt = _build(args)
+    device = device_of(args.device)
+    plain, plain_opt, host = _build(args)
+    tracked, tracked_opt, _ = _build(args)
     for dmp in (plain, tracked):
         fill_hash_tables(dmp, args.ids // args.tables, rank, world_size)
     id_range = int(args.ids / args.tables * 1.2)
@@ -156,6 +166,7 @@ def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -
         rank=rank,
         world_size=world_size,
     )
+    batches = [b.to(device) for b in batches]  # the plain loop's, on the device (on CPU: the same)
     publisher = Publisher(tracked, os.path.join(root, "train"), full_every=10**9, keep=1)
     publisher.publish(step=0)
     for module in sharded_hash_modules(plain).values():  # the baseline: no tracking at all
@@ -174,8 +185,10 @@ def _training(rank: int, world_size: int, args: argparse.Namespace, root: str) -
             if publish_every is not None and i % publish_every == 0:
                 publisher.publish(step=i)
                 published += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the last step's device work in the time
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=host)
         return float(elapsed), published
 
     train(plain, plain_opt, 5, None)
@@ -220,11 +233,12 @@ def main() -> None:
     parser.add_argument("--round-s", type=float, default=12.0, help="seconds of training per round and variant")
     parser.add_argument("--publish-every-s", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    args = parser.parse_args()
+    args = parse_device_args(parser)
     root = tempfile.mkdtemp(prefix="recsdk-publish-bench-")
     try:
-        config = {"ids": args.ids, "tables": args.tables, "dim": args.dim, "ranks": 2}
-        out = run_distributed(_publish_and_export, 2, args, root, timeout_s=1800)[0]
+        config = {"ids": args.ids, "tables": args.tables, "dim": args.dim, "ranks": args.world_size}
+        config["device"] = args.device
+        out = launch(_publish_and_export, args.world_size, args.device, args, root, timeout_s=1800)[0]
         full = out["full"]
         print(
             json.dumps(
@@ -250,7 +264,7 @@ def main() -> None:
             print(json.dumps(line))
         shutil.rmtree(root, ignore_errors=True)
         root = tempfile.mkdtemp(prefix="recsdk-publish-bench-")
-        out = run_distributed(_training, 2, args, root, timeout_s=3600)[0]
+        out = launch(_training, args.world_size, args.device, args, root, timeout_s=3600)[0]
         training = out["training"]
         ratio = training["samples_per_s"] / training["baseline_samples_per_s"]
         line = {"benchmark": "publish", "measurement": "training", **config, **training, "ratio": ratio}

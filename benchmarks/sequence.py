@@ -1,6 +1,7 @@
 """Sequence training throughput: HashEmbeddingCollection (raw ids) vs TorchRec EC (pre-remapped ids).
 
-Two ranks on gloo, the same sequence model and the same batches in the same run. Each sample
+Two ranks on gloo (``--device cuda``: one rank on one GPU over nccl, the host groups on gloo),
+the same sequence model and the same batches in the same run. Each sample
 has a history of 0 to ``--max-history`` items, one candidate item and one user; history and
 candidate share one item table, the user has a table of its own; ids are Zipf-distributed raw
 62-bit ints. The model looks up one embedding per id (an unpooled embedding collection),
@@ -27,7 +28,9 @@ samples/s, each round's, and the plan its planner chose) and one per ratio hash 
 layout, and for the planners' choices (target >= 0.9); and recsdk's choice against the faster
 hash layout (the one ahead in the per-round ratios; target 1.0 within noise).
 
-    python benchmarks/sequence.py [--batch-size 1024] [--steps 20] [--rounds 7]
+Every variant trains in the plain loop, its batches already on the device.
+
+    python benchmarks/sequence.py [--batch-size 1024] [--steps 20] [--rounds 7] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import NUM_DENSE, host_env, remap_ids, set_threads, shard, train_samples_per_s
+from _common import (
+    NUM_DENSE,
+    device_of,
+    host_env,
+    launch,
+    parse_device_args,
+    remap_ids,
+    set_threads,
+    shard,
+    train_samples_per_s,
+)
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
@@ -53,7 +66,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data import Batch
 from recsdk.data.hashing import mix64
-from recsdk.data.testing import run_distributed
 from recsdk.embedding import HashEmbeddingCollection, HashEmbeddingConfig
 from recsdk.sharding import get_default_hybrid_sharders
 
@@ -79,14 +91,15 @@ class TargetAttention(nn.Module):
 
     def forward(self, history: torch.Tensor, lengths: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
         b, dim = candidate.shape
-        segments = torch.repeat_interleave(torch.arange(b), lengths.long(), output_size=history.shape[0])
+        device = candidate.device
+        segments = torch.repeat_interleave(torch.arange(b, device=device), lengths.long(), output_size=history.shape[0])
         scores = (history * self.query(candidate)[segments]).sum(1) * self.scale
         # Softmax within each sample's history (the per-sample max keeps exp() finite).
-        peak = torch.full((b,), -torch.inf).scatter_reduce(0, segments, scores.detach(), "amax")
+        peak = torch.full((b,), -torch.inf, device=device).scatter_reduce(0, segments, scores.detach(), "amax")
         weights = (scores - peak[segments]).exp()
-        norm = torch.zeros(b).index_add(0, segments, weights)
+        norm = torch.zeros(b, device=device).index_add(0, segments, weights)
         weights = weights / norm[segments]
-        return torch.zeros(b, dim).index_add(0, segments, history * weights.unsqueeze(1))
+        return torch.zeros(b, dim, device=device).index_add(0, segments, history * weights.unsqueeze(1))
 
 
 class SequenceModel(nn.Module):
@@ -189,6 +202,7 @@ def _build(
         args.batch_size,
         embeddings=ec,
         enumerator="hybrid" if hashed else "torchrec",
+        device=device_of(args.device),
     )
 
 
@@ -212,13 +226,16 @@ def _variants() -> list[tuple[str, bool, str | None]]:
 def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     host = host_env()
+    device = device_of(args.device)
     raw = [sequence_batches(args, r) for r in range(world_size)]
     remapped = remap_ids(raw, TABLES)[rank]
+    # The plain loop takes its batches on the device (on CPU: the same batches).
+    data = {True: [b.to(device) for b in raw[rank]], False: [b.to(device) for b in remapped]}
     runs = {}
     for name, hashed, layout in _variants():
         if args.profile in (None, name):
             model, optimizer = _build(hashed, layout, args, host)
-            runs[name] = (model, optimizer, raw[rank] if hashed else remapped)
+            runs[name] = (model, optimizer, data[hashed])
     if args.profile:
         return {"profile": _profile(runs[args.profile], args, rank)}
     results: dict[str, list[float]] = {name: [] for name in runs}
@@ -241,7 +258,8 @@ def _profile(run: tuple[nn.Module, Any, list[Batch]], args: argparse.Namespace, 
 
     model, optimizer, batches = run
     train_samples_per_s(model, optimizer, batches, args.warmup)  # first inserts, allocator
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
         train_samples_per_s(model, optimizer, batches, args.warmup)
     if rank != 0:
         return None
@@ -250,7 +268,6 @@ def _profile(run: tuple[nn.Module, Any, list[Batch]], args: argparse.Namespace, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=1024, help="per rank")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=3)
@@ -270,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=[name for name, _, _ in _variants()],
         help="print rank 0's torch.profiler table of one variant's steps instead of timing",
     )
-    args = parser.parse_args(argv)
-    out = run_distributed(_run, args.world_size, args, timeout_s=1200)[0]
+    args = parse_device_args(parser, argv)
+    out = launch(_run, args.world_size, args.device, args, timeout_s=1200)[0]
     if args.profile:
         print(out["profile"])
         return 0
     common = {
         "benchmark": "sequence",
         "world_size": args.world_size,
+        "device": args.device,
         "batch_size_per_rank": args.batch_size,
         "history_ids_per_sample": round(out["history_ids_per_sample"], 2),
         "dim": args.dim,

@@ -16,6 +16,8 @@ in fp32 and int8, and served in this process. One JSON line per measurement:
 
 Latencies are medians over ``--rounds`` interleaved rounds of ``--forwards`` forwards each.
 
+No ``--device``: recsdk's serving collections run FBGEMM's CPU inference kernel (rows in host memory).
+
     python benchmarks/serving.py [--ids 200000] [--tables 4] [--dim 64] [--rounds 5]
 """
 

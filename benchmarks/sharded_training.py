@@ -34,7 +34,8 @@ Every variant trains the seed's way (``--loop pipeline``, the default): the hash
 recsdk's ``HybridTrainPipelineSparseDist`` (on this CPU device without its host thread:
 TorchRec's schedule, the next batch's id all-to-alls during this batch's forward), TorchRec's
 through TorchRec's ``TrainPipelineSparseDist``; ``--loop plain`` trains every one in the plain
-loop ``model(batch)``, ``backward()``, ``step()`` instead. Every line names its ``loop``.
+loop ``model(batch)``, ``backward()``, ``step()`` instead, its batches already on the device.
+Every line names its ``loop``.
 
 Measurements alternate between the variants (``--rounds``); samples/s are medians over rounds and
 ratios are medians of the per-round ratios. One JSON line per measurement; the ratio line compares
@@ -43,7 +44,7 @@ pick's ratio to the best measured hash layout (the one ahead in the per-round ra
 within noise) and to ``torchrec_pick`` (target >= 1.0).
 
     python benchmarks/sharded_training.py [--workload 4x200000x32 ...] [--loop pipeline|plain] [--batch-size 1024]
-        [--steps 40] [--rounds 7]
+        [--steps 40] [--rounds 7] [--device cpu|cuda --world-size 1]
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def _run(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     raw = _datasets(args, world_size)
     remapped = remap_ids(raw, feature_names(args.tables))
     data = {"hash": raw[rank], "torchrec": remapped[rank]}
+    if args.loop == "plain":  # the pipelines copy their batches to the device; the plain loop takes them there
+        data = {kind: [b.to(device_of(args.device)) for b in batches] for kind, batches in data.items()}
     runs: dict[str, tuple[nn.Module, Any, list[Batch]]] = {}
     layouts: dict[str, dict[str, str]] = {}
     for name in [n for n in LAYOUTS if n in args.variants]:
