@@ -260,3 +260,58 @@ def test_the_demo_data_resumes_under_a_stateful_dataloader(demo_main: Any, num_w
         assert torch.equal(got.labels, want.labels)
         assert torch.equal(got.sparse_features.values(), want.sparse_features.values())
         assert torch.equal(got.sequence_features.values(), want.sequence_features.values())
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--out", "{file}"], "--out {file}: exists and is not a folder"),
+        (["--checkpoint-dir", "{file}"], "--checkpoint-dir {file}: exists and is not a folder"),
+        (["--publish-dir", "{file}/pub"], "--publish-dir {file}/pub: cannot be created (Not a directory)"),
+        (["--publish-dir", "{tmp}/same", "--checkpoint-dir", "{tmp}/same/"], "are the same folder"),
+    ],
+)
+def test_output_folders_are_checked_before_ranks_spawn(
+    demo_main: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    subst = {"file": str(tmp_path / "file"), "tmp": str(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        demo_main.parse_args(["--world-size", "2", "--out", str(tmp_path / "out"), *(f.format(**subst) for f in flags)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and named.format(**subst) in lines[0], err
+    assert out == ""
+
+
+def test_an_unusable_output_folder_exits_with_one_line_before_any_rank(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    proc = run_demo("--world-size", "2", "--publish-dir", str(tmp_path / "file"), timeout_s=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"little_demo: error: --publish-dir {tmp_path / 'file'}: exists and is not a folder"
+    ]
+
+
+def test_a_resume_under_other_flags_names_the_differences_in_one_line(
+    demo_main: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resume = sys.modules["resume"]  # imported by the demo's main
+    ckpt = tmp_path / "ckpt"
+    base = ["--world-size", "2", "--out", str(tmp_path / "out"), "--checkpoint-dir", str(ckpt)]
+    monkeypatch.setattr(resume, "latest_checkpoint", lambda directory: None)
+    demo_main.parse_args([*base, "--batch-size", "64"])  # a first run: its flags are recorded
+    assert json.loads((ckpt / resume.FLAGS_FILE).read_text())["batch_size"] == 64
+    monkeypatch.setattr(resume, "latest_checkpoint", lambda directory: str(ckpt / "step_00000100"))
+    demo_main.parse_args([*base, "--batch-size", "64", "--world-size", "1", "--timeout-s", "60"])  # may change
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        demo_main.parse_args([*base, "--batch-size", "128", "--seed", "3", "--steps", "900"])  # 600 recorded
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"little_demo: error: --checkpoint-dir {ckpt} holds checkpoints of a run with other flags: "
+        "--steps 600 -> 900, --batch-size 64 -> 128, --seed 0 -> 3; resume with its flags, or give another "
+        "--checkpoint-dir"
+    ]

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from dataset import DATA_KINDS, DemoData, data_files, make_data, parquet_features
 from model import DLRM, ID_POLICIES, file_tables, needs_clicks, random_sequence_tables, random_tables
 from report import print_header, report
-from resume import TrainingState, resume, save
+from resume import TrainingState, flag_differences, resume, save
 from safetensors.torch import save_file
 from torchmetrics.classification import BinaryAUROC
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -105,7 +105,9 @@ def _fraction(text: str) -> float:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check the flags; any problem exits with one line before a process starts."""
+    """Parse and check the flags; any problem exits with one line before a process starts: the
+    output folders (created; each must be a writable folder), and, for a checkpoint directory
+    to resume from, that the flags are the ones its checkpoints were made with."""
     parser = _Parser(prog="little_demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=_int_at_least(1), default=None, help="ranks to spawn (default 1)")
     parser.add_argument("--device", choices=DEVICE_TYPES, default="auto", help="auto: npu, then cuda, then cpu")
@@ -175,10 +177,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 raise ValueError(f"--world-size {args.world_size} needs {args.world_size} {device.type} devices")
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        parser.error(f"--out {args.out}: {e.strerror}")
+    for flag in ("--out", "--checkpoint-dir", "--publish-dir"):
+        problem = _output_folder_problem(getattr(args, flag[2:].replace("-", "_")))
+        if problem:
+            parser.error(f"{flag} {problem}")
+    if args.publish_dir is not None and args.checkpoint_dir is not None:
+        if Path(args.publish_dir).resolve() == Path(args.checkpoint_dir).resolve():
+            parser.error(f"--publish-dir and --checkpoint-dir are the same folder {args.publish_dir}; give two")
+    if args.checkpoint_dir is not None:
+        try:
+            differences = flag_differences(args)
+        except (OSError, ValueError) as e:
+            parser.error(f"--checkpoint-dir {args.checkpoint_dir}: {e}")
+        if differences:
+            parser.error(
+                f"--checkpoint-dir {args.checkpoint_dir} holds checkpoints of a run with other flags: "
+                f"{', '.join(differences)}; resume with its flags, or give another --checkpoint-dir"
+            )
     if importlib.util.find_spec("matplotlib") is None:  # the plot comes after training: ask first
         parser.error("matplotlib is needed for training.png: pip install matplotlib (or run `nox -s demo`)")
     return args
@@ -505,6 +520,22 @@ def restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
         timeout=timeout,
     )
     return dist.PrefixStore(f"little_demo/attempt_{attempt}", store)
+
+
+def _output_folder_problem(folder: str | None) -> str | None:
+    """What stops the demo writing into ``folder`` (created if missing), or None."""
+    if folder is None:
+        return None
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        return f"{folder}: exists and is not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{folder}: cannot be created ({e.strerror})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{folder}: is not writable by this user"
+    return None
 
 
 def _spawned_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: str) -> None:

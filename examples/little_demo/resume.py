@@ -8,10 +8,17 @@ data position (``StatefulDataLoader.state_dict()``, after the last batch trained
 torch RNG state (re-initialised rows draw from it). A run started with a checkpoint directory
 that holds one resumes from its latest: under ``torchrun --max-restarts`` a group restarted
 after a rank died carries on from there and ends with the result of a run never killed.
+
+A resume is exact only under the flags the checkpoints were made with: the first run of a
+checkpoint directory records its flags there (``little_demo_flags.json``), and a run that would
+resume under other flags stops before any rank starts, naming each difference on one line
+(:func:`flag_differences`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +29,51 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.pipeline import HybridTrainPipelineSparseDist
 from recsdk.sharding import AsyncCheckpointer, latest_checkpoint, load_checkpoint
+
+FLAGS_FILE = "little_demo_flags.json"
+RESUME_FLAGS = (
+    "steps",
+    "data",
+    "data_path",
+    "no_history",
+    "batch_size",
+    "pipe_n_batch",
+    "eval_every",
+    "eval_batches",
+    "cache_load_factor",
+    "id_policy",
+    "num_workers",
+    "seed",
+)
+"""The flags a resume must keep (the data and its position, the model, the schedule; ``--steps``
+too: the synthetic data's length is part of its position). ``--world-size`` may change (an
+elastic resume), as may ``--device``, the timeout and the output folders."""
+
+
+def flag_differences(args: argparse.Namespace) -> list[str]:
+    """How ``args`` differ from the flags of the run whose checkpoints ``--checkpoint-dir`` holds,
+    one ``--flag old -> new`` each; ``[]`` when nothing would be resumed or nothing differs.
+    With no checkpoint there yet (a run killed before its first one, or a new folder), the
+    flags of this run are recorded instead (by one process: rank 0, or the launching one)."""
+    directory = args.checkpoint_dir
+    path = os.path.join(directory, FLAGS_FILE)
+    flags = {name: getattr(args, name) for name in RESUME_FLAGS}
+    if latest_checkpoint(directory) is None:
+        if os.environ.get("RANK", "0") == "0":
+            with open(path + ".writing", "w", encoding="utf-8") as f:
+                json.dump(flags, f, indent=1)
+            os.replace(path + ".writing", path)
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except FileNotFoundError:  # checkpoints of a demo that did not record its flags
+        return []
+    return [
+        f"--{name.replace('_', '-')} {recorded.get(name)!r} -> {value!r}"
+        for name, value in flags.items()
+        if recorded.get(name) != value
+    ]
 
 
 @dataclass
