@@ -1,10 +1,9 @@
 """Every use of TorchRec/FBGEMM/torch internals in recsdk-sharding, each with why.
 
 recsdk pins TorchRec exactly (``requirements/constraints.txt``); these are the places that read
-or write what TorchRec does not publish. A TorchRec upgrade touches this file, and
-``kjt_all_to_all.py``, whose awaitables subclass TorchRec's KJT all-to-all awaitables and use
-their fields (the splits, recat and strides TorchRec's shardings read off them; the recat is
-computed here, :func:`output_recat`).
+or write what TorchRec does not publish. A TorchRec upgrade touches this file only: the rest of
+the package uses the names this module defines and TorchRec's public API (plus the hooks
+TorchRec's classes are subclassed by: an awaitable's ``_wait_impl``, a module's ``forward``).
 """
 
 from __future__ import annotations
@@ -14,18 +13,27 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torchrec.distributed.dist_data import _get_recat
+import torch.distributed as dist
+
+# A sharding plan's shard layout (torch keeps these classes in the private ``_shard`` package;
+# TorchRec's ParameterSharding.sharding_spec takes them): for cache_plan and cost_model.
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+from torchrec.distributed.dist_data import KJTAllToAll, _get_recat
 from torchrec.distributed.embedding import EmbeddingCollectionContext
 from torchrec.distributed.embedding_types import ShardedEmbeddingTable
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.shard_estimators import calculate_shard_storages
 from torchrec.distributed.planner.types import SharderData, Storage
 from torchrec.distributed.types import StorageUsageType, compute_storage_usage
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
+    "EnumerableShardingSpec",
+    "ShardMetadata",
     "disable_mean_pooling_callback",
     "fused_lookups",
     "input_dist_ready",
@@ -133,6 +141,115 @@ def output_recat(
         device=device,
         batch_size_per_rank=batch_size_per_rank,
     )
+
+
+# ---- KJT all-to-all (kjt_all_to_all.py)
+#
+# FusedKJTAllToAll subclasses TorchRec's KJTAllToAll and returns awaitables subclassing TorchRec's
+# KJT all-to-all awaitables, built without their constructors (which issue TorchRec's own
+# all-to-alls). TorchRec's shardings and pipelines read the splits, recat and strides off the
+# awaitables' private fields; these set them, and read the all-to-all's own.
+
+__all__ += ["KJTAllToAllLayout", "init_kjt_splits_awaitable", "init_kjt_tensors_awaitable", "kjt_all_to_all_layout"]
+
+
+class KJTAllToAllLayout(NamedTuple):
+    """What a ``KJTAllToAll`` was built with: its group, features sent to each rank, their
+    running sums (``splits_cumsum[r]``: the first feature of rank ``r``), its stagger."""
+
+    pg: dist.ProcessGroup
+    splits: list[int]
+    splits_cumsum: list[int]
+    stagger: int
+
+
+def kjt_all_to_all_layout(a2a: KJTAllToAll) -> KJTAllToAllLayout:
+    """A ``KJTAllToAll``'s layout (``_pg``, ``_splits``, ``_splits_cumsum``, ``_stagger``; no accessors)."""
+    return KJTAllToAllLayout(a2a._pg, a2a._splits, a2a._splits_cumsum, a2a._stagger)
+
+
+def init_kjt_splits_awaitable(awaitable: Any, *, pg: dist.ProcessGroup, input: KeyedJaggedTensor) -> None:
+    """Give a ``KJTAllToAllSplitsAwaitable`` built without its constructor the fields TorchRec's
+    pipelines read off one (``_pg``, ``_workers``, ``_input``: their fused splits look at the
+    input's keys and variable strides)."""
+    awaitable._pg = pg
+    awaitable._workers = pg.size()
+    awaitable._input = input
+
+
+def init_kjt_tensors_awaitable(
+    awaitable: Any,
+    *,
+    pg: dist.ProcessGroup,
+    input: KeyedJaggedTensor,
+    keys: list[str],
+    recat: torch.Tensor | None,
+    stagger: int,
+    stride_per_rank: list[int],
+    input_splits: dict[str, list[int]],
+    output_splits: dict[str, list[int]],
+) -> None:
+    """Give a ``KJTAllToAllTensorsAwaitable`` built without its constructor the fields TorchRec's
+    constructor sets, which its shardings read off one (``_input_splits``, ``_output_splits``
+    by tensor label, ``_recat``, ``_stride_per_rank``: the unpooled output dists and unequal
+    batch sizes need them) as do its pipelines (``_pg``, ``_workers``, ``_world_size``,
+    ``_input``, ``_keys``, ``_stagger``)."""
+    awaitable._workers = awaitable._world_size = pg.size()
+    awaitable._pg = pg
+    awaitable._input = input
+    awaitable._keys = keys
+    awaitable._recat = recat
+    awaitable._stagger = stagger
+    awaitable._stride_per_rank = stride_per_rank
+    awaitable._input_splits = input_splits
+    awaitable._output_splits = output_splits
+
+
+__all__ += ["features_all_to_all", "set_features_all_to_all"]
+
+
+def set_features_all_to_all(features_dist: torch.nn.Module, a2a: KJTAllToAll) -> None:
+    """Make ``a2a`` the ``KJTAllToAll`` of a sparse features dist (input_dist.py): TorchRec's
+    pipelines find it in the dist's ``_dist`` (to swap in their fused-splits forward)."""
+    features_dist._dist = a2a
+
+
+def features_all_to_all(features_dist: torch.nn.Module) -> KJTAllToAll:
+    """The ``KJTAllToAll`` of a sparse features dist (``_dist``)."""
+    return features_dist._dist  # type: ignore[return-value]
+
+
+# ---- planner (planner.py)
+
+__all__ += ["KernelHookEnumerator"]
+
+
+class KernelHookEnumerator(EmbeddingEnumerator):
+    """TorchRec's ``EmbeddingEnumerator`` with a hook on the compute kernels it enumerates.
+
+    TorchRec filters the kernels a table's sharder offers (by the table's constraint, the guarded
+    kernels, SSD capacity) in the private ``_filter_compute_kernels``; this enumerator first
+    passes them through :meth:`_kernels_of`, which a subclass overrides.
+    """
+
+    def _kernels_of(self, name: str, offered: list[str]) -> list[str]:
+        """The kernels to offer TorchRec's filter for table ``name``, given its sharder's ``offered``."""
+        return offered
+
+    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str], sharding_type: str) -> list[str]:
+        kernels = self._kernels_of(name, allowed_compute_kernels)
+        return super()._filter_compute_kernels(name, kernels, sharding_type)  # type: ignore[no-any-return]
+
+
+# ---- sharders (sharders.py)
+
+__all__ += ["sharded_module_order_overwrite"]
+
+
+def sharded_module_order_overwrite(sharder: Any) -> list[str] | None:
+    """What an ``EmbeddingBagCollectionSharder`` passes its sharded modules as
+    ``sharded_module_order_overwrite`` (its constructor's argument, lowercased; ``_sharded_module_order_overwrite``)."""
+    return sharder._sharded_module_order_overwrite  # type: ignore[no-any-return]
 
 
 # ---- checkpoint and export

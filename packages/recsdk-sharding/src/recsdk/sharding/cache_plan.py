@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import CacheAlgorithm, ParameterSharding
+
+from recsdk.sharding._torchrec_compat import EnumerableShardingSpec, ShardMetadata
 
 __all__ = [
     "CACHED_KERNELS",

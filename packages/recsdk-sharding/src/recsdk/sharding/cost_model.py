@@ -100,7 +100,6 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.perf_models import NoopPerfModel
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, get_num_poolings
@@ -121,7 +120,7 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
-from recsdk.sharding._torchrec_compat import base_shard_storages
+from recsdk.sharding._torchrec_compat import EnumerableShardingSpec, ShardMetadata, base_shard_storages
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 
 __all__ = [

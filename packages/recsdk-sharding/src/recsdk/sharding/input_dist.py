@@ -10,6 +10,7 @@ from torchrec.distributed.sharding.tw_sharding import TwSparseFeaturesDist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
 from recsdk.sharding.owner import owner
 
@@ -97,11 +98,10 @@ class OwnerSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
     def __init__(self, host_pg: dist.ProcessGroup, num_features: int) -> None:
         super().__init__()
         self._world_size: int = host_pg.size()
-        # TorchRec's pipeline looks for an attribute named `_dist` of type KJTAllToAll.
-        self._dist = FusedKJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size)
+        compat.set_features_all_to_all(self, FusedKJTAllToAll(pg=host_pg, splits=[num_features] * self._world_size))
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        return self._dist(bucketize_by_owner(_on_host(sparse_features), self._world_size))
+        return compat.features_all_to_all(self)(bucketize_by_owner(_on_host(sparse_features), self._world_size))
 
 
 class HostTwSparseFeaturesDist(TwSparseFeaturesDist):
@@ -115,10 +115,10 @@ class HostTwSparseFeaturesDist(TwSparseFeaturesDist):
 
     def __init__(self, host_pg: dist.ProcessGroup, features_per_rank: list[int]) -> None:
         super().__init__(host_pg, features_per_rank)
-        self._dist = FusedKJTAllToAll(pg=host_pg, splits=features_per_rank)
+        compat.set_features_all_to_all(self, FusedKJTAllToAll(pg=host_pg, splits=features_per_rank))
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        return self._dist(_on_host(sparse_features))
+        return compat.features_all_to_all(self)(_on_host(sparse_features))
 
 
 class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
@@ -137,7 +137,7 @@ class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
     def __init__(self, host_pg: dist.ProcessGroup, num_features: int, device: torch.device | None = None) -> None:
         # TorchRec's block sizes are unused: the owner, not the id's range, picks the bucket.
         super().__init__(host_pg, num_features, feature_hash_sizes=[1] * num_features, is_sequence=True)
-        self._dist = FusedKJTAllToAll(pg=host_pg, splits=[num_features] * host_pg.size())
+        compat.set_features_all_to_all(self, FusedKJTAllToAll(pg=host_pg, splits=[num_features] * host_pg.size()))
         self._owners = host_pg.size()
         self._output_device = device
 
@@ -147,4 +147,4 @@ class OwnerSequenceFeaturesDist(RwSparseFeaturesDist):
         self.unbucketize_permute_tensor = (
             permute if device is None or device.type in ("cpu", "meta") else permute.to(device, non_blocking=True)
         )
-        return self._dist(bucketed)  # over host_pg, under the name TorchRec's pipeline looks for
+        return compat.features_all_to_all(self)(bucketed)  # over host_pg

@@ -46,7 +46,7 @@ from torchrec.distributed.dist_data import (
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsdk.sharding._torchrec_compat import output_recat
+from recsdk.sharding import _torchrec_compat as compat
 
 __all__ = ["FusedKJTAllToAll", "batch_flag"]
 
@@ -161,22 +161,24 @@ class FusedKJTAllToAll(KJTAllToAll):
 
     def __init__(self, pg: dist.ProcessGroup, splits: list[int], stagger: int = 1) -> None:
         super().__init__(pg, splits, stagger)
+        self._layout = compat.kjt_all_to_all_layout(self)
         self._capacity = _PayloadCapacity()
         self._last: _Exchange | None = None
 
     def _exchange(self, input: KeyedJaggedTensor) -> Awaitable[KJTAllToAllTensorsAwaitable]:
-        if input.variable_stride_per_key() or self._pg.size() == 1:
+        layout = self._layout
+        if input.variable_stride_per_key() or layout.pg.size() == 1:
             return KJTAllToAll.forward(self, input)
         with torch.no_grad():
             if self._last is not None:
                 # The previous exchange's headers set this one's capacity, on every rank alike
                 # (its overflow round, if due, goes first).
                 self._last.read_header()
-            rank = dist.get_rank(self._pg)
+            rank = dist.get_rank(layout.pg)
             exchange = _Exchange(
-                self._pg,
+                layout.pg,
                 input_tensors=input.dist_tensors(),
-                input_splits=input.dist_splits(self._splits),
+                input_splits=input.dist_splits(layout.splits),
                 stride=input.stride(),
                 batch_flag=getattr(_CURRENT, "flag", None),
                 capacity=self._capacity,
@@ -185,9 +187,9 @@ class FusedKJTAllToAll(KJTAllToAll):
             receiver = _Receiver(
                 input=input,
                 labels=input.dist_labels(),
-                keys=input.keys()[self._splits_cumsum[rank] : self._splits_cumsum[rank + 1]],
-                splits=self._splits,
-                stagger=self._stagger,
+                keys=input.keys()[layout.splits_cumsum[rank] : layout.splits_cumsum[rank + 1]],
+                splits=layout.splits,
+                stagger=layout.stagger,
             )
             return _FusedSplitsAwaitable(exchange, receiver)
 
@@ -364,17 +366,15 @@ class _FusedSplitsAwaitable(KJTAllToAllSplitsAwaitable):
         Awaitable.__init__(self)
         self._exchange = exchange
         self._receiver = receiver
-        self._pg = exchange._pg
-        self._workers = exchange._pg.size()
-        self._input = receiver.input
+        compat.init_kjt_splits_awaitable(self, pg=exchange._pg, input=receiver.input)
 
     def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
         exchange, receiver = self._exchange, self._receiver
         exchange.read_header()
         if exchange.batch_flag is not None:
             exchange.batch_flag.received(exchange.any_failed)
-        recat = output_recat(
-            local_split=receiver.splits[self._pg.rank()],
+        recat = compat.output_recat(
+            local_split=receiver.splits[exchange._pg.rank()],
             num_splits=len(receiver.splits),
             stagger=receiver.stagger,
             device=receiver.input.device(),
@@ -387,38 +387,41 @@ class _FusedTensorsAwaitable(KJTAllToAllTensorsAwaitable):
     """The received KJT of an exchange whose headers are read.
 
     A ``KJTAllToAllTensorsAwaitable`` to TorchRec: its shardings read the splits, recat and
-    batch sizes of the exchange from these attributes (``_input_splits``, ``_output_splits``,
-    ``_recat``, ``_stride_per_rank``; the unpooled output dists and unequal batch sizes need
-    them), and its pipelines may call :meth:`clear_inputs`. TorchRec's constructor, which issues
-    one all-to-all per tensor, is not run.
+    batch sizes of the exchange off it (given by ``compat.init_kjt_tensors_awaitable``), and its
+    pipelines may call :meth:`clear_inputs`. TorchRec's constructor, which issues one all-to-all
+    per tensor, is not run.
     """
 
     def __init__(self, exchange: _Exchange, receiver: _Receiver, recat: torch.Tensor | None) -> None:
         Awaitable.__init__(self)
         self._exchange = exchange
-        self._workers = self._world_size = exchange._pg.size()
-        self._pg = exchange._pg
-        self._input = receiver.input
-        self._keys = receiver.keys
-        self._recat = recat
-        self._stagger = receiver.stagger
-        self._stride_per_rank = exchange.stride_per_rank
-        self._input_splits = dict(zip(receiver.labels, exchange.input_splits, strict=True))
-        self._output_splits = dict(zip(receiver.labels, exchange.output_splits, strict=True))
+        self._receiver = receiver
+        self._output_recat = recat
+        compat.init_kjt_tensors_awaitable(
+            self,
+            pg=exchange._pg,
+            input=receiver.input,
+            keys=receiver.keys,
+            recat=recat,
+            stagger=receiver.stagger,
+            stride_per_rank=exchange.stride_per_rank,
+            input_splits=dict(zip(receiver.labels, exchange.input_splits, strict=True)),
+            output_splits=dict(zip(receiver.labels, exchange.output_splits, strict=True)),
+        )
 
     def clear_inputs(self) -> int:
         """Free the sent tensors once the all-to-all is done (TorchRec's pipelines); their bytes."""
         return self._exchange.clear_inputs()
 
     def _wait_impl(self) -> KeyedJaggedTensor:
-        exchange = self._exchange
+        exchange, receiver = self._exchange, self._receiver
         tensors = exchange.tensors()
-        return type(self._input).dist_init(
-            keys=self._keys,
+        return type(receiver.input).dist_init(
+            keys=receiver.keys,
             tensors=tensors,
             variable_stride_per_key=False,
-            num_workers=self._workers,
-            recat=self._recat,
-            stride_per_rank=self._stride_per_rank,
-            stagger=self._stagger,
+            num_workers=exchange._pg.size(),
+            recat=self._output_recat,
+            stride_per_rank=exchange.stride_per_rank,
+            stagger=receiver.stagger,
         )

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.planner.enumerators import GUARDED_COMPUTE_KERNELS, EmbeddingEnumerator
+from torchrec.distributed.planner.enumerators import GUARDED_COMPUTE_KERNELS
 from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import ParameterConstraints, ShardingOption, Storage, Topology
 from torchrec.distributed.types import ModuleSharder, PipelineType
@@ -65,6 +65,7 @@ from recsdk.embedding import (
     IdTable,
     slot_index,
 )
+from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.cache_plan import CACHED_KERNELS
 from recsdk.sharding.cost_model import (
     HybridPerfEstimator,
@@ -201,7 +202,7 @@ def _hash_table_config(option: ShardingOption) -> BaseEmbeddingConfig | None:
     return next(c for c in configs if c.name == option.name)
 
 
-class HybridEmbeddingEnumerator(EmbeddingEnumerator):
+class HybridEmbeddingEnumerator(compat.KernelHookEnumerator):
     """TorchRec's ``EmbeddingEnumerator`` for hybrid sharding.
 
     - Estimates with :class:`~recsdk.sharding.cost_model.HybridPerfEstimator` (recsdk's cost
@@ -237,6 +238,8 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
                 IdTableStorageEstimator(topology=topology, constraints=constraints),
             ]
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints, estimator=estimator)  # type: ignore[arg-type]
+        self._table_constraints = constraints  # what TorchRec's filter reads too
+        self._device_type = topology.compute_device
         self._ssd_caps = [device.storage.ssd for device in topology.devices]
         self._hash_tables: set[str] = set()  # of the module being enumerated
         # Here, not in enumerate: every rank builds the enumerator, while TorchRec's collective_plan
@@ -254,24 +257,20 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         self._check_constraints(module, sharders)
         return super().enumerate(module, sharders)
 
-    def _filter_compute_kernels(self, name: str, allowed_compute_kernels: list[str], sharding_type: str) -> list[str]:
-        """TorchRec's filter, over the kernels of :meth:`_kernels_of`."""
-        kernels = self._kernels_of(name, allowed_compute_kernels)
-        return super()._filter_compute_kernels(name, kernels, sharding_type)  # type: ignore[no-any-return]
-
     def _kernels_of(self, name: str, offered: list[str]) -> list[str]:
-        """The kernels a table's sharder offers, plus on a CPU topology, for a hash table, the cached
-        kernels its constraint names: recsdk's sharders offer them off CPU only (there the cache
-        and its store would both be host memory, never a better fit than ``fused``), as
-        TorchRec's do, so that TorchRec's own estimators never meet them on CPU."""
-        constraint = self._constraints.get(name) if self._constraints else None
-        if self._compute_device != "cpu" or constraint is None or name not in self._hash_tables:
+        """The kernels a table's sharder offers (the compat hook; TorchRec's filter then applies),
+        plus on a CPU topology, for a hash table, the cached kernels its constraint names:
+        recsdk's sharders offer them off CPU only (there the cache and its store would both be
+        host memory, never a better fit than ``fused``), as TorchRec's do, so that TorchRec's own
+        estimators never meet them on CPU."""
+        constraint = self._table_constraints.get(name) if self._table_constraints else None
+        if self._device_type != "cpu" or constraint is None or name not in self._hash_tables:
             return offered
         named = [k for k in constraint.compute_kernels or () if k in CACHED_KERNELS and k not in offered]
         return [*offered, *named]
 
     def _check_constraints(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> None:
-        if not self._constraints:
+        if not self._table_constraints:
             return
         by_type = {s.module_type: s for s in sharders}
         for path, child in module.named_modules():
@@ -279,27 +278,27 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
             if sharder is None:
                 continue
             for name in sharder.shardable_parameters(child):
-                constraint = self._constraints.get(name)
+                constraint = self._table_constraints.get(name)
                 if constraint is None:
                     continue
                 where = path or "the model"
                 what = f"table {name!r} in {where} ({type(child).__name__}, sharder {type(sharder).__name__})"
-                supported = sharder.sharding_types(self._compute_device)
+                supported = sharder.sharding_types(self._device_type)
                 if constraint.sharding_types:
                     usable = [t for t in constraint.sharding_types if t in supported]
                     if not usable:
                         raise ValueError(
                             f"{what}: constraint sharding_types={constraint.sharding_types} cannot be met on "
-                            f"compute device {self._compute_device!r}; supported: {supported}"
+                            f"compute device {self._device_type!r}; supported: {supported}"
                         )
                 else:
                     usable = supported
-                offered = [sharder.compute_kernels(t, self._compute_device) for t in usable]
+                offered = [sharder.compute_kernels(t, self._device_type) for t in usable]
                 kernels = {k for per_type in offered for k in self._kernels_of(name, per_type)}
                 if constraint.compute_kernels and not kernels.intersection(constraint.compute_kernels):
                     raise ValueError(
                         f"{what}: constraint compute_kernels={constraint.compute_kernels} cannot be met on "
-                        f"compute device {self._compute_device!r}; supported: {sorted(kernels)}"
+                        f"compute device {self._device_type!r}; supported: {sorted(kernels)}"
                     )
 
     def _cached_kernels_allowed(self, constraint: ParameterConstraints) -> set[str]:
@@ -308,7 +307,7 @@ class HybridEmbeddingEnumerator(EmbeddingEnumerator):
         named; on CPU recsdk offers no cached kernel unless named)."""
         if constraint.compute_kernels:
             return set(constraint.compute_kernels).intersection(CACHED_KERNELS)
-        if self._compute_device == "cpu":
+        if self._device_type == "cpu":
             return set()
         return set(CACHED_KERNELS).difference(k.value for k in GUARDED_COMPUTE_KERNELS)
 

@@ -18,6 +18,7 @@ from torchrec.distributed.types import BoundsCheckMode, ModuleSharder, Parameter
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
+from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.cache_plan import CACHED_KERNELS
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
@@ -225,7 +226,7 @@ class HybridEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+            sharded_module_order_overwrite=compat.sharded_module_order_overwrite(self),
         )
 
     @property
