@@ -45,7 +45,7 @@ def fused_table_views(lookups: Iterable[torch.nn.Module]) -> dict[str, TableView
 
     Example::
 
-        views = fused_table_views(sharded_ebc._lookups)
+        views = fused_table_views(compat.fused_lookups(sharded_ebc))  # as HostShards builds them
         weight, states = views["user"]
     """
     views: dict[str, TableViews] = {}
