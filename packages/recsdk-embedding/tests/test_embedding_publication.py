@@ -3,7 +3,6 @@ paths inside the version, no symbolic links; replay checks each delta's parent m
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,17 +11,13 @@ import pytest
 from test_embedding_change_tracker import _write_version
 
 from recsdk.embedding import PublicationError, list_versions, read_version, replay
-from recsdk.embedding.publication import FORMAT_VERSION, manifest_checksum, read_manifest
+from recsdk.embedding.publication import FORMAT_VERSION, read_manifest
 from recsdk.embedding.publication_chain import plan_chain
+from recsdk.embedding.testing import edit_manifest
 
 
 def _edit(root: Path, version: int, change: Callable[[dict], None], fix_crc: bool = True) -> None:
-    path = root / f"{version:08d}" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    if fix_crc:
-        manifest["manifest_crc32"] = manifest_checksum(manifest)
-    path.write_text(json.dumps(manifest))
+    edit_manifest(root, version, change, fix_crc=fix_crc)
 
 
 def _two(root: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,22 +14,13 @@ import pytest
 from serving_models import Recommender, copy_versions
 
 from recsdk.embedding import PublicationError
-from recsdk.embedding.publication import manifest_checksum
+from recsdk.embedding.testing import edit_manifest
 from recsdk.serving import ServingModel
 from recsdk.serving.inspect_root import inspect_root
 
 
-def _edit(root: Path, version: int, change: Callable[[dict], None], *, fix_crc: bool) -> None:
-    path = root / f"{version:08d}" / "manifest.json"
-    manifest = json.loads(path.read_text())
-    change(manifest)
-    if fix_crc:
-        manifest["manifest_crc32"] = manifest_checksum(manifest)
-    path.write_text(json.dumps(manifest))
-
-
 def _edited_step(root: Path) -> None:
-    _edit(root, 2, lambda m: m.update(step=999), fix_crc=False)
+    edit_manifest(root, 2, lambda m: m.update(step=999), fix_crc=False)
 
 
 def _wrong_directory(root: Path) -> None:
@@ -39,7 +29,7 @@ def _wrong_directory(root: Path) -> None:
 
 
 def _replaced_parent(root: Path) -> None:  # 1 republished (another CRC-32) after 2 was published on top of it
-    _edit(root, 1, lambda m: m.update(step=998), fix_crc=True)
+    edit_manifest(root, 1, lambda m: m.update(step=998), fix_crc=True)
 
 
 def _escaping_path(root: Path) -> None:
@@ -47,11 +37,11 @@ def _escaping_path(root: Path) -> None:
         m["files"]["../../outside.safetensors"] = m["files"].pop("dense.safetensors")
         m["dense"]["file"] = "../../outside.safetensors"
 
-    _edit(root, 2, change, fix_crc=True)
+    edit_manifest(root, 2, change, fix_crc=True)
 
 
 def _full_with_parent(root: Path) -> None:
-    _edit(root, 2, lambda m: m.update(kind="full"), fix_crc=True)
+    edit_manifest(root, 2, lambda m: m.update(kind="full"), fix_crc=True)
 
 
 def _symlinked_version(root: Path) -> None:
