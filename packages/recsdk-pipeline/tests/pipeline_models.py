@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.planner import ParameterConstraints
 
 from recsdk.data import Batch
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
@@ -23,7 +22,8 @@ from recsdk.pipeline import (
     apply_optimizer_in_backward,
     in_backward_optimizer_filter,
 )
-from recsdk.sharding import HybridEmbeddingEnumerator, ShardedHashEmbeddingBagCollection, get_default_hybrid_sharders
+from recsdk.sharding import ShardedHashEmbeddingBagCollection
+from recsdk.sharding.testing import shard_on_cpu
 
 HASH_FEATURES = ["f0", "f1"]  # raw int64 ids, through the HashEBC
 PLAIN_FEATURE = "f2"  # ids in [0, PLAIN_ROWS), through a plain TorchRec EBC
@@ -122,17 +122,8 @@ def shard(
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """Steps 6-7 on CPU: hybrid sharders (host group with ``host_timeout_s``), the planner with
     recsdk's enumerator and ``constraints``, DMP, and the fused + ``dense_optimizer(params)`` optimizer."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
     host_pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=host_timeout_s))
-    sharders = get_default_hybrid_sharders(host_env=ShardingEnv(world_size=world_size, rank=rank, pg=host_pg))
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=constraints,
-        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=8, constraints=constraints),
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = shard_on_cpu(model, batch_size=8, constraints=constraints, host_pg=host_pg)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), dense_optimizer)
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 

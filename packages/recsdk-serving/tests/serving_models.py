@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import CacheAlgorithm, CacheParams, ShardingEnv
+from torchrec.distributed.planner import ParameterConstraints
+from torchrec.distributed.types import CacheAlgorithm, CacheParams
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -26,7 +26,8 @@ from recsdk.embedding import (
     LRUEviction,
     TTLEviction,
 )
-from recsdk.sharding import HybridEmbeddingEnumerator, Publisher, get_default_hybrid_sharders
+from recsdk.sharding import Publisher
+from recsdk.sharding.testing import shard_on_cpu
 
 NUM_DENSE = 4
 DIM = 8
@@ -116,10 +117,6 @@ def shard(model: nn.Module, sharding: str, batch_size: int, cached: bool = False
     with ``cached``, the user table's rows in host memory behind a device cache of half of them."""
     for module in (model.ebc, model.ec):
         apply_optimizer_in_backward(torch.optim.Adagrad, module.parameters(), {"lr": 0.1, "eps": 0.01})
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    sharders = get_default_hybrid_sharders(
-        host_env=ShardingEnv(world_size=world_size, rank=rank, pg=dist.new_group(backend="gloo"))
-    )
     constraints = {t: ParameterConstraints(sharding_types=[sharding]) for t in ("user", "tag", "item")}
     if cached:
         constraints["user"] = ParameterConstraints(
@@ -127,14 +124,7 @@ def shard(model: nn.Module, sharding: str, batch_size: int, cached: bool = False
             compute_kernels=["fused_uvm_caching"],
             cache_params=CacheParams(load_factor=0.5, algorithm=CacheAlgorithm.LRU),
         )
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=constraints,
-        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints),
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    return shard_on_cpu(model, batch_size, constraints)
 
 
 GLOBAL_BATCH = 32

@@ -7,18 +7,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 
 from recsdk.data import Batch, RandomRecDataset
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingBagConfig
 from recsdk.sharding import (
-    HybridEmbeddingEnumerator,
     ShardedHashEmbeddingBagCollection,
-    get_default_hybrid_sharders,
     sharded_hash_modules,
 )
+from recsdk.sharding.testing import shard_on_cpu
 
 
 def tables(
@@ -79,16 +78,7 @@ def shard(
     constraints: dict[str, ParameterConstraints] | None = None,
 ) -> DistributedModelParallel:
     """Steps 6 of the seed flow: hybrid sharders, planner, DMP (CPU, gloo)."""
-    world_size = dist.get_world_size()
-    sharders = get_default_hybrid_sharders(host_env=host_env())
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    planner = EmbeddingShardingPlanner(
-        topology=topology,
-        constraints=constraints,
-        enumerator=HybridEmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints),
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    return shard_on_cpu(model, batch_size, constraints)
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
