@@ -52,6 +52,7 @@ from recsdk.data import (
     ReadPosition,
     mix64,
 )
+from recsdk.data._synthetic import power_law_indices  # RandomRecDataset's Zipf-like draw
 
 DATA_KINDS = ("random", "criteo", "columnar", "parquet")
 
@@ -146,13 +147,6 @@ class HistoryBatch(Batch):
         super().record_stream(stream)
         if stream is not None and self.dense_features.device.type != "cpu":
             self.sequence_features.record_stream(stream)
-
-
-def _power_law(rng: np.random.Generator, n: int, size: int) -> npt.NDArray[np.int64]:
-    """``n`` indices in ``[0, size)``, Zipf-like (index 0 the most popular), as RandomRecDataset draws them."""
-    top = float(size) + 1.0
-    x = (1.0 + rng.random(n) * (top ** (1.0 - ZIPF_ALPHA) - 1.0)) ** (1.0 / (1.0 - ZIPF_ALPHA))
-    return np.clip(np.floor(x) - 1.0, 0, size - 1).astype(np.int64)
 
 
 class HistoryRecDataset(IterableDataset[HistoryBatch]):
@@ -275,7 +269,7 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
         n = users.size
         source = rng.choice(len(sources), size=n, p=sources)
         cluster = np.where(source == 2, rng.integers(0, NUM_CLUSTERS, n), self._user_clusters[users, source])
-        return _power_law(rng, n, NUM_ITEMS // NUM_CLUSTERS) * NUM_CLUSTERS + cluster
+        return power_law_indices(rng, n, NUM_ITEMS // NUM_CLUSTERS, ZIPF_ALPHA) * NUM_CLUSTERS + cluster
 
     def make_batch(self, batch_index: int, rank: int) -> tuple[HistoryBatch, torch.Tensor]:
         """Batch ``batch_index`` of ``rank`` and the teacher's click probabilities ``[B]`` (float64)."""
@@ -283,7 +277,7 @@ class HistoryRecDataset(IterableDataset[HistoryBatch]):
         p = self.context.probabilities(context).numpy()
         rng = np.random.default_rng([self.sample_seed, _TAG_SAMPLES, rank, batch_index])
         b = self.batch_size
-        users = _power_law(rng, b, NUM_USERS)
+        users = power_law_indices(rng, b, NUM_USERS, ZIPF_ALPHA)
         lengths = rng.integers(0, MAX_HISTORY + 1, b)
         history = self._items(rng, np.repeat(users, lengths), HISTORY_SOURCES)
         candidates = self._items(rng, users, CANDIDATE_SOURCES)
