@@ -84,13 +84,7 @@ class ServingModel:
         }
         if not hash_modules:
             raise ValueError("the model holds no HashEmbeddingBagCollection or HashEmbeddingCollection to serve")
-        self._tables = {
-            cfg.name: describe_table(fqn, cfg)
-            for fqn, m in hash_modules.items()
-            for cfg in (
-                m.embedding_bag_configs() if isinstance(m, HashEmbeddingBagCollection) else m.embedding_configs()
-            )
-        }
+        self._tables = {cfg.name: describe_table(fqn, cfg) for fqn, m in hash_modules.items() for cfg in _configs(m)}
         prefixes = tuple(f"{fqn}." if fqn else "" for fqn in hash_modules)
         self._dense_shapes = {
             key: list(value.shape) for key, value in model.state_dict().items() if not key.startswith(prefixes)
@@ -256,6 +250,7 @@ def _short_switch_interval() -> Iterator[None]:
 
 
 def _configs(module: HashEmbeddingBagCollection | HashEmbeddingCollection) -> list[Any]:
+    """The table configs of a hash collection (bag or not)."""
     if isinstance(module, HashEmbeddingBagCollection):
         return list(module.embedding_bag_configs())
     return list(module.embedding_configs())
