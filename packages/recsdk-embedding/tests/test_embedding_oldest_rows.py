@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsdk.embedding import CountAdmission, IdTable, LRUEviction, TTLEviction
+from recsdk.embedding import CountAdmission, IdTable, LRUEviction, TableFullError, TTLEviction
 from recsdk.embedding.oldest_rows import OldestRows
 
 
@@ -77,3 +77,16 @@ def test_rows_placed_with_old_last_steps_go_first() -> None:
     table.insert_at(old_ids, rows[:2], last_step=torch.zeros(2, dtype=torch.int64))
     table.find_or_insert(torch.tensor([10**6]))  # one new id: one victim
     assert bool((table.find(old_ids) == -1).any())
+
+
+def test_a_queue_of_pinned_rows_frees_nothing_and_a_full_table_raises() -> None:
+    """The oldest row is pinned, and so is every other: the queue holds only the pinned one, so
+    no row may go, and the new id raises instead of taking a pinned row (found by the model test)."""
+    table = IdTable(3, eviction=LRUEviction(), name="t")
+    table.find_or_insert(torch.tensor([0, 1, 2]))
+    table.pin(torch.tensor([2]))
+    table.find_or_insert(torch.tensor([0, -1]))  # evicts id 1 (row 1); the queue keeps pinned row 2
+    table.pin(torch.tensor([0, 1]))
+    with pytest.raises(TableFullError, match="eviction can free only 0 rows"):
+        table.find_or_insert(torch.tensor([1]))
+    assert table.find(torch.tensor([0, -1, 2])).tolist() == [0, 1, 2]

@@ -77,7 +77,8 @@ class OldestRows:
         rows = self._rows
         if rows is None or rows.numel() < count:
             return False
-        return int(self._free(rows, last_step, row_state, pins, in_use)[1].sum()) >= count
+        _, _, free = self._free(rows, last_step, row_state, pins, in_use)
+        return int(free.sum()) >= count
 
     def take(
         self, count: int, last_step: torch.Tensor, row_state: torch.Tensor, pins: torch.Tensor, in_use: torch.Tensor
