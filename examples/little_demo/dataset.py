@@ -51,8 +51,8 @@ from recsdk.data import (
     RandomRecDataset,
     ReadPosition,
     mix64,
+    power_law_indices,  # RandomRecDataset's Zipf-like draw
 )
-from recsdk.data._synthetic import power_law_indices  # RandomRecDataset's Zipf-like draw
 
 DATA_KINDS = ("random", "criteo", "columnar", "parquet")
 

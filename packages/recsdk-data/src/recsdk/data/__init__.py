@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from recsdk.data._synthetic import power_law_indices
     from recsdk.data.batch import Batch, attach_clicks
     from recsdk.data.columnar import ColumnarDataset
     from recsdk.data.criteo import CriteoDataset
@@ -55,12 +56,14 @@ _MODULES = {
     "mix64": "hashing",
     "new_stream": "device",
     "npu_available": "device",
+    "power_law_indices": "_synthetic",
     "resolve_rank_and_world_size": "partition",
     "stream_context": "device",
     "unmix64": "hashing",
     "write_synthetic_criteo": "criteo_synthetic",
 }
 _LOADERS: dict[str, Callable[[], ModuleType]] = {
+    "_synthetic": lambda: importlib.import_module("recsdk.data._synthetic"),
     "batch": lambda: importlib.import_module("recsdk.data.batch"),
     "columnar": lambda: importlib.import_module("recsdk.data.columnar"),
     "criteo": lambda: importlib.import_module("recsdk.data.criteo"),
@@ -96,6 +99,7 @@ __all__ = [
     "mix64",
     "new_stream",
     "npu_available",
+    "power_law_indices",
     "resolve_rank_and_world_size",
     "stream_context",
     "unmix64",

@@ -41,7 +41,20 @@ def power_law_indices(rng: np.random.Generator, n: int, id_range: int, alpha: fl
     """``n`` indices in ``[0, id_range)``: the floor of a density ``x ** -alpha`` on ``[1, id_range + 1)``, minus 1.
 
     A bounded, continuous approximation of Zipf(alpha) drawn by inverting its CDF; index 0
-    is the most likely.
+    is the most likely. :class:`~recsdk.data.RandomRecDataset` draws its ``"zipf"`` ids with it.
+
+    Args:
+        rng (np.random.Generator): the generator to draw from.
+        n (int): how many indices.
+        id_range (int): indices are in ``[0, id_range)``.
+        alpha (float): the exponent (> 0; 1.0 is the classic Zipf).
+
+    Returns:
+        np.ndarray: int64 ``[n]``.
+
+    Example::
+
+        power_law_indices(np.random.default_rng(0), 4, 1000, 1.05)  # mostly small indices
     """
     u = rng.random(n)
     top = float(id_range) + 1.0
