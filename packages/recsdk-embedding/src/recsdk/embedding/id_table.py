@@ -501,9 +501,7 @@ class IdTable(IdTableState, IdTableAdmission, IdTableEviction, IdTablePins, IdTa
             raise TypeError(f"IdTable '{self._name}'.{op}: rows must be an integer tensor, got {rows.dtype}")
         flat = rows.reshape(-1).to(device=self._device, dtype=torch.int64)
         low = -1 if allow_missing else 0
-        if flat.numel() == 0:
-            return flat
-        lo, hi = torch.aminmax(flat)  # one pass; the bad value is looked for only when there is one
+        lo, hi = torch.aminmax(flat) if flat.numel() else (low, low)  # one pass; the bad value sought if any
         if int(lo) < low or int(hi) >= self._capacity:
             bad = (flat < low) | (flat >= self._capacity)
             raise ValueError(
