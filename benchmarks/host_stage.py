@@ -256,6 +256,21 @@ class Probe:
             return (self.count - c0) / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def _spinning_probe() -> Iterator[tuple[Probe, float]]:
+    """A probe spinning at :data:`PROBE_SWITCH_INTERVAL_S`, and its rate alone (counts per second)
+    at that interval; Python's switch interval is restored after."""
+    previous_interval = sys.getswitchinterval()
+    sys.setswitchinterval(PROBE_SWITCH_INTERVAL_S)
+    try:
+        rate = Probe().rate_alone()
+        with Probe() as probe:
+            time.sleep(0.01)
+            yield probe, rate
+    finally:
+        sys.setswitchinterval(previous_interval)
+
+
 def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock: Any) -> dict[str, Any]:
     """One round over ``batches``: host and device ms per step, the parts, the GIL held.
 
@@ -276,19 +291,15 @@ def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock
         host += (t1 - t0) + in_compute_host
         device_s += (t2 - t1) - in_compute_host
     PARTS.on = False
-    parts = {k: v for k, v in PARTS.seconds.items()}
+    parts = dict(PARTS.seconds)
     resets = parts.pop("device.resets", 0.0)
     host -= resets  # resets run inside compute_host: device work
     device_s += resets
     # The GIL: the host stage again (the tables keep stepping), with the probe spinning. Every
     # time the host stage takes the GIL back from the probe it waits for a switch; at a short
     # switch interval that wait is short, and the probe counts it as its own time anyway.
-    previous_interval = sys.getswitchinterval()
-    sys.setswitchinterval(PROBE_SWITCH_INTERVAL_S)
-    probe_rate = Probe().rate_alone()
     wall = 0.0
-    with Probe() as probe:
-        time.sleep(0.01)
+    with _spinning_probe() as (probe, probe_rate):
         c0 = probe.count
         for batch in batches:
             t0 = time.perf_counter()
@@ -298,7 +309,6 @@ def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock
             _compute(module, ctx, mapped, device)
             c0 += probe.count - probe_pause  # the compute's share of the probe does not count
         counted = probe.count - c0
-    sys.setswitchinterval(previous_interval)
     gil = max(0.0, wall - counted / probe_rate)
     out = {
         "host_ms_per_step": 1e3 * host / steps,
@@ -316,15 +326,10 @@ def _probed_gil_ms(work: Any) -> tuple[float, float]:
     start = time.thread_time()
     work()
     core = time.thread_time() - start
-    previous_interval = sys.getswitchinterval()
-    sys.setswitchinterval(PROBE_SWITCH_INTERVAL_S)
-    rate = Probe().rate_alone()
-    with Probe() as probe:
-        time.sleep(0.01)
+    with _spinning_probe() as (probe, rate):
         c0, w0 = probe.count, time.perf_counter()
         work()
         wall, counted = time.perf_counter() - w0, probe.count - c0
-    sys.setswitchinterval(previous_interval)
     return 1e3 * core, 1e3 * max(0.0, wall - counted / rate)
 
 
