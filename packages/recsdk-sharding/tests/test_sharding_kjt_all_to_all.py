@@ -18,7 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.data.testing import run_distributed
 from recsdk.sharding import FusedKJTAllToAll
-from recsdk.sharding.kjt_all_to_all import batch_flag
+from recsdk.sharding.distribution.kjt_all_to_all import batch_flag
 
 WORLD = 3
 BATCH = [4, 6, 3]  # unequal batch sizes per rank

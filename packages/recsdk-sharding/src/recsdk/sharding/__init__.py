@@ -6,7 +6,6 @@ fused kernels and the pooled output dist over the default group.
 """
 
 from recsdk.embedding.publication import read_version
-from recsdk.sharding.agreement import CarriedFlag, FailureAgreement, PeerFailureError
 from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
@@ -18,18 +17,30 @@ from recsdk.sharding.checkpoint import (
 )
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
 from recsdk.sharding.cost_model import DEFAULT_COSTS, HybridCosts, HybridPerfEstimator, HybridPerfModel, ShardCost
-from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
-from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
-from recsdk.sharding.input_dist import (
+from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement, PeerFailureError
+from recsdk.sharding.distribution.input_dist import (
     HostTwSparseFeaturesDist,
     OwnerSequenceFeaturesDist,
     OwnerSparseFeaturesDist,
     bucketize_by_owner,
 )
-from recsdk.sharding.input_guard import refuse_inputs
-from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarrier, FlagCarryingTwPooledEmbeddingDist
-from recsdk.sharding.owner import OWNER_SALT, owner
+from recsdk.sharding.distribution.input_guard import refuse_inputs
+from recsdk.sharding.distribution.kjt_all_to_all import FusedKJTAllToAll
+from recsdk.sharding.distribution.output_dist import (
+    AllToAllPooledEmbeddingDist,
+    FlagCarrier,
+    FlagCarryingTwPooledEmbeddingDist,
+)
+from recsdk.sharding.distribution.owner import OWNER_SALT, owner
+from recsdk.sharding.distribution.shardings import (
+    GlooRwPooledEmbeddingSharding,
+    HostRwPooledEmbeddingSharding,
+    HostRwSequenceEmbeddingSharding,
+    HostTwPooledEmbeddingSharding,
+    HostTwSequenceEmbeddingSharding,
+)
+from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
+from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.publisher import Publisher, PublishRecord
 from recsdk.sharding.row_cache import TableCache
@@ -46,13 +57,6 @@ from recsdk.sharding.sharders import (
     validate_host_env,
 )
 from recsdk.sharding.sharding_planner import HybridEmbeddingShardingPlanner
-from recsdk.sharding.shardings import (
-    GlooRwPooledEmbeddingSharding,
-    HostRwPooledEmbeddingSharding,
-    HostRwSequenceEmbeddingSharding,
-    HostTwPooledEmbeddingSharding,
-    HostTwSequenceEmbeddingSharding,
-)
 from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [

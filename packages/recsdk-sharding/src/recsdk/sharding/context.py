@@ -108,7 +108,7 @@ class HashEmbeddingBagCollectionContext(EmbeddingBagCollectionContext, HostStage
 
     Attributes:
         bag_lengths (dict[str, torch.Tensor]): per MEAN feature, its bags' lengths in this rank's
-            batch as received (what :class:`~recsdk.sharding.mean_pooling.MeanPooling` divides by).
+            batch as received (what :class:`~recsdk.sharding.distribution.mean_pooling.MeanPooling` divides by).
     """
 
     bag_lengths: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -27,14 +27,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.context import CachedRows, HostStageState
+from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement
+from recsdk.sharding.distribution.input_guard import guard_input
+from recsdk.sharding.distribution.kjt_all_to_all import batch_flag
+from recsdk.sharding.distribution.output_dist import FlagCarrier
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
-from recsdk.sharding.input_guard import guard_input
-from recsdk.sharding.kjt_all_to_all import batch_flag
-from recsdk.sharding.output_dist import FlagCarrier
 from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.row_store import create_store
@@ -203,7 +203,7 @@ class HostShards:
         return views
 
     def guard(self, ctx: HostStageState, features: Any, training: bool) -> KeyedJaggedTensor:
-        """The batch to send through the input dist (see :mod:`~recsdk.sharding.input_guard`)."""
+        """The batch to send through the input dist (see :mod:`~recsdk.sharding.distribution.input_guard`)."""
         checked, ctx.input_error = guard_input(
             features,
             self._features,

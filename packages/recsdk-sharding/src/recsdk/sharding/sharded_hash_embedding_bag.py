@@ -2,7 +2,7 @@
 
 A thin adapter between TorchRec's ``ShardedEmbeddingBagCollection`` and recsdk's host-side
 parts, composed by :class:`~recsdk.sharding.host_shards.HostShards`: the shardings
-(:mod:`~recsdk.sharding.shardings`) bucket and exchange raw ids over the host group; the host
+(:mod:`~recsdk.sharding.distribution.shardings`) bucket and exchange raw ids over the host group; the host
 stage maps them to rows; the row ledger keeps the rows of batches in flight and the resets they
 owe; the failure agreement makes a host-stage failure fail every rank; the CPU Adam. The device
 looks the rows up with TorchRec's fused kernel and returns pooled results through TorchRec's
@@ -24,11 +24,11 @@ from recsdk.embedding import HashEmbeddingBagCollection
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
+from recsdk.sharding.distribution.mean_pooling import MeanPooling
+from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_sharded_module import HostShardedModule
 from recsdk.sharding.host_shards import HostShards
-from recsdk.sharding.mean_pooling import MeanPooling
-from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
 
 __all__ = ["ShardedHashEmbeddingBagCollection"]
 

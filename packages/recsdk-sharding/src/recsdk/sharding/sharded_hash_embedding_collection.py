@@ -3,7 +3,7 @@
 The unpooled sibling of :class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection`: a thin
 adapter between TorchRec's ``ShardedEmbeddingCollection`` and the same host-side parts
 (:class:`~recsdk.sharding.host_shards.HostShards`), with the sequence shardings of
-:mod:`~recsdk.sharding.shardings`. Every id keeps its place: the owner looks its row up, and
+:mod:`~recsdk.sharding.distribution.shardings`. Every id keeps its place: the owner looks its row up, and
 TorchRec's sequence output dist returns one embedding per id, in input order.
 """
 
@@ -21,10 +21,10 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from recsdk.embedding import HashEmbeddingCollection
 from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingCollectionContext
+from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
 from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_sharded_module import HostShardedModule
 from recsdk.sharding.host_shards import HostShards
-from recsdk.sharding.shardings import check_host_sharding_types, create_host_sharding
 
 __all__ = ["ShardedHashEmbeddingCollection"]
 

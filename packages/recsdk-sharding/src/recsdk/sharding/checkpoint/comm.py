@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from recsdk.sharding.agreement import FailureAgreement
 from recsdk.sharding.checkpoint.errors import CheckpointError
+from recsdk.sharding.distribution.agreement import FailureAgreement
 
 __all__ = ["Comm"]
 

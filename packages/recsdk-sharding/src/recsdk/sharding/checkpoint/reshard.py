@@ -26,7 +26,7 @@ from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import fused_counters
 from recsdk.sharding.checkpoint.manifest import hash_prefix
 from recsdk.sharding.checkpoint.validate import TableLoad
-from recsdk.sharding.owner import owner
+from recsdk.sharding.distribution.owner import owner
 
 __all__ = ["check_resharded", "commit_resharded", "read_resharded"]
 

@@ -175,7 +175,7 @@ class FailureAgreement:
 class CarriedFlag:
     """A failure flag that travels in a collective every rank runs anyway, instead of an all-reduce.
 
-    The pooled output dists on gloo (``recsdk.sharding.output_dist``) carry one: each rank's
+    The pooled output dists on gloo (``recsdk.sharding.distribution.output_dist``) carry one: each rank's
     flag goes to every rank (itself included) in a header row of the all-to-all it sends, so
     once that all-to-all is waited for, every rank knows whether any rank failed. Where a dist
     cannot carry it in a call, it exchanges the flag with an all-reduce of its own

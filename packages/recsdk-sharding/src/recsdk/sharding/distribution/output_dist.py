@@ -19,7 +19,7 @@ one (:class:`~recsdk.sharding.FailureAgreement`). Rather than an all-reduce of i
 step (on a busy 2-core host, ~0.5-1 ms of a 15 ms step: the wake-ups of one more collective),
 the flag travels in the output dist's all-to-all, which every rank runs anyway: each rank sends
 every rank (itself included) one header row ahead of its rows, filled with its flag
-(:class:`~recsdk.sharding.agreement.CarriedFlag`). A dist carries it only where every rank
+(:class:`~recsdk.sharding.distribution.agreement.CarriedFlag`). A dist carries it only where every rank
 sends a row to every rank (row-wise always; table-wise where every rank holds a table), on gloo,
 without quantized comms; ``FlagCarrier.carries_flag`` says so, the same on every rank.
 """
@@ -37,7 +37,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.agreement import CarriedFlag
+from recsdk.sharding.distribution.agreement import CarriedFlag
 
 __all__ = [
     "AllToAllPooledEmbeddingDist",
@@ -67,7 +67,7 @@ def with_header_rows(local_embs: torch.Tensor, rows_per_rank: list[int], value: 
 
 
 class FlagCarrier:
-    """An output dist that can carry a :class:`~recsdk.sharding.agreement.CarriedFlag`.
+    """An output dist that can carry a :class:`~recsdk.sharding.distribution.agreement.CarriedFlag`.
 
     Duties: :meth:`carries_flag` answers the same on every rank (it reads the plan, the backend
     and the comms settings, never the batch); once :meth:`carry` was called, every forward sends

@@ -28,8 +28,16 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.input_dist import HostTwSparseFeaturesDist, OwnerSequenceFeaturesDist, OwnerSparseFeaturesDist
-from recsdk.sharding.output_dist import AllToAllPooledEmbeddingDist, FlagCarryingTwPooledEmbeddingDist, is_gloo
+from recsdk.sharding.distribution.input_dist import (
+    HostTwSparseFeaturesDist,
+    OwnerSequenceFeaturesDist,
+    OwnerSparseFeaturesDist,
+)
+from recsdk.sharding.distribution.output_dist import (
+    AllToAllPooledEmbeddingDist,
+    FlagCarryingTwPooledEmbeddingDist,
+    is_gloo,
+)
 
 __all__ = [
     "HOST_SHARDING_TYPES",

@@ -11,8 +11,8 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.kjt_all_to_all import FusedKJTAllToAll
-from recsdk.sharding.owner import owner
+from recsdk.sharding.distribution.kjt_all_to_all import FusedKJTAllToAll
+from recsdk.sharding.distribution.owner import owner
 
 __all__ = [
     "HostTwSparseFeaturesDist",
