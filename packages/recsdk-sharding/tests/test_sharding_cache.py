@@ -266,7 +266,7 @@ def test_a_batch_larger_than_the_cache_fails_every_rank_naming_the_table() -> No
 
 
 def _disk_full_run(rank: int, world_size: int, tmp: str) -> str:
-    import recsdk.sharding.row_store as row_store
+    import recsdk.sharding.rows.row_store as row_store
 
     dmp, dense_opt = _build("sgd", _constraints("key_value", 0.5, Path(tmp), "row_wise"))
     if rank == 1:  # the disk under rank 1's store fills up (another process wrote there)

@@ -43,9 +43,10 @@ from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.publisher import Publisher, PublishRecord
-from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.row_store import FileRowStore, HostRowStore, RowStore
+from recsdk.sharding.rows.row_cache import TableCache
+from recsdk.sharding.rows.row_store import FileRowStore, HostRowStore, RowStore
+from recsdk.sharding.rows.tbe_views import TableViews
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.sharders import (
@@ -57,7 +58,6 @@ from recsdk.sharding.sharders import (
     validate_host_env,
 )
 from recsdk.sharding.sharding_planner import HybridEmbeddingShardingPlanner
-from recsdk.sharding.tbe_views import TableViews
 
 __all__ = [
     "CACHED_KERNELS",

@@ -4,7 +4,7 @@ A table planned with ``compute_kernel="fused_uvm_caching"`` (rows in host memory
 ``"key_value"`` (rows in files under ``KeyValueParams.ssd_storage_directory``) keeps
 ``ceil(load_factor x rows)`` rows of each shard in the fused kernel (``CacheParams.load_factor``;
 :data:`DEFAULT_LOAD_FACTOR` when the plan gives none, as TorchRec's planner assumes) and every row
-in its store (:mod:`~recsdk.sharding.row_store`).
+in its store (:mod:`~recsdk.sharding.rows.row_store`).
 
 TorchRec builds the fused kernels: :func:`device_plan` and :func:`device_module` give it the
 table as the kernel holds it (``"fused"``, with the cache's rows per shard), while the module

@@ -24,7 +24,7 @@ from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.host_shards import HostShards
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.tbe_views import TableViews
+from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["HostShardedModule", "sharded_hash_modules"]
 

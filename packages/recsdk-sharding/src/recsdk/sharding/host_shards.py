@@ -33,13 +33,13 @@ from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.distribution.input_guard import guard_input
 from recsdk.sharding.distribution.kjt_all_to_all import batch_flag
 from recsdk.sharding.distribution.output_dist import FlagCarrier
-from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_stage import IdMappingStage
-from recsdk.sharding.row_cache import TableCache
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.row_store import create_store
+from recsdk.sharding.rows.host_adam import HostAdam
+from recsdk.sharding.rows.row_cache import TableCache
+from recsdk.sharding.rows.row_store import create_store
+from recsdk.sharding.rows.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 from recsdk.sharding.table_workers import TableWorkers, default_host_threads
-from recsdk.sharding.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
 
 __all__ = ["HostShards"]
 

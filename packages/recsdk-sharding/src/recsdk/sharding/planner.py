@@ -74,7 +74,7 @@ from recsdk.sharding.cost_model import (
     option_cache,
     planned_cache,
 )
-from recsdk.sharding.row_cache import TableCache
+from recsdk.sharding.rows.row_cache import TableCache
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "cache_index_bytes", "id_table_bytes"]
 

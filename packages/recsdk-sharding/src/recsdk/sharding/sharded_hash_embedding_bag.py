@@ -26,9 +26,9 @@ from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.distribution.mean_pooling import MeanPooling
 from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
-from recsdk.sharding.host_adam import HostAdam
 from recsdk.sharding.host_sharded_module import HostShardedModule
 from recsdk.sharding.host_shards import HostShards
+from recsdk.sharding.rows.host_adam import HostAdam
 
 __all__ = ["ShardedHashEmbeddingBagCollection"]
 

@@ -28,7 +28,7 @@ from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.tbe_views import TableViews
+from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = [
     "HashModule",

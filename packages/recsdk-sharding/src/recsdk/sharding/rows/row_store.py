@@ -15,7 +15,7 @@ table already is the index: no key-value database). Two stores, one shape:
   an evicted id is. Its pages are file-backed: the operating system keeps in memory what is
   used and writes the rest back, so a table may be larger than host memory.
 
-Both give :class:`~recsdk.sharding.tbe_views.TableViews` over all rows of the shard
+Both give :class:`~recsdk.sharding.rows.tbe_views.TableViews` over all rows of the shard
 (``weight [rows, dim]`` and each per-row state, shaped as the kernel's with the shard's rows):
 the cache copies rows between them and the kernel's views, and checkpoints and export read and
 write them as they read an all-resident kernel.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from recsdk.sharding.tbe_views import TableViews
+from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["FileRowStore", "HostRowStore", "RowStore", "check_store_directory", "create_store", "store_directory"]
 

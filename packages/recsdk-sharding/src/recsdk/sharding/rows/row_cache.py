@@ -1,7 +1,7 @@
 """``TableCache``: the fused kernel's rows as a cache over a table shard's row store.
 
 A cached table shard has two row spaces: the **store rows** the id table hands to ids (every row
-of the shard, in a :class:`~recsdk.sharding.row_store.RowStore`) and the **slots** of the fused
+of the shard, in a :class:`~recsdk.sharding.rows.row_store.RowStore`) and the **slots** of the fused
 kernel (``ceil(load_factor x rows)`` of them). Store rows are dense (``[0, rows)``), so the cache
 maps them to slots with a plain array (``slot + 1`` per store row, 0 for "not cached"; its pages
 are zero-filled by the OS when first touched, so it costs memory for the rows in use only), and
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from recsdk.embedding import TableFullError
-from recsdk.sharding.row_store import RowStore
-from recsdk.sharding.tbe_views import TableViews
+from recsdk.sharding.rows.row_store import RowStore
+from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["TableCache"]
 

@@ -22,7 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recsdk.sharding._torchrec_compat import optimizers_of, queue_backward_callback
-from recsdk.sharding.tbe_views import TableViews
+from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["HostAdam", "HostAdamOptimizer", "HostAdamTable", "adam_params_from_fused", "is_adam"]
 
