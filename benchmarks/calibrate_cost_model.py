@@ -1,4 +1,4 @@
-"""Measure the constants of recsdk's planner cost model (``recsdk.sharding.cost_model``).
+"""Measure the constants of recsdk's planner cost model (``recsdk.sharding.planning.cost_model``).
 
 Runs ``--world-size`` ranks on gloo (default 2, as the training benchmarks: the ranks compete for
 the cores and memory as they do in training), one intra-op thread each, and times on every rank,

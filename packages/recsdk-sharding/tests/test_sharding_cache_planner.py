@@ -19,9 +19,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from recsdk.data.testing import run_distributed
 from recsdk.sharding import HybridEmbeddingEnumerator, HybridPerfEstimator, HybridPerfModel, get_default_hybrid_sharders
-from recsdk.sharding.cache_plan import cache_specs
-from recsdk.sharding.cost_model import MISS_RATE_FLOOR
-from recsdk.sharding.planner import cache_index_bytes, id_table_bytes
+from recsdk.sharding.planning.cache_plan import cache_specs
+from recsdk.sharding.planning.cost_model import MISS_RATE_FLOOR
+from recsdk.sharding.planning.planner import cache_index_bytes, id_table_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

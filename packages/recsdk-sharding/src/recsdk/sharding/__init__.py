@@ -6,7 +6,6 @@ fused kernels and the pooled output dist over the default group.
 """
 
 from recsdk.embedding.publication import read_version
-from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
     AsyncCheckpointer,
@@ -16,7 +15,6 @@ from recsdk.sharding.checkpoint import (
     save_checkpoint,
 )
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext, HashEmbeddingCollectionContext
-from recsdk.sharding.cost_model import DEFAULT_COSTS, HybridCosts, HybridPerfEstimator, HybridPerfModel, ShardCost
 from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement, PeerFailureError
 from recsdk.sharding.distribution.input_dist import (
     HostTwSparseFeaturesDist,
@@ -41,7 +39,16 @@ from recsdk.sharding.distribution.shardings import (
 )
 from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
-from recsdk.sharding.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
+from recsdk.sharding.planning.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
+from recsdk.sharding.planning.cost_model import (
+    DEFAULT_COSTS,
+    HybridCosts,
+    HybridPerfEstimator,
+    HybridPerfModel,
+    ShardCost,
+)
+from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
+from recsdk.sharding.planning.sharding_planner import HybridEmbeddingShardingPlanner
 from recsdk.sharding.publisher import Publisher, PublishRecord
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.row_cache import TableCache
@@ -57,7 +64,6 @@ from recsdk.sharding.sharders import (
     get_default_hybrid_sharders,
     validate_host_env,
 )
-from recsdk.sharding.sharding_planner import HybridEmbeddingShardingPlanner
 
 __all__ = [
     "CACHED_KERNELS",

@@ -21,8 +21,8 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from recsdk.embedding import IdTable
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.host_shards import HostShards
+from recsdk.sharding.planning.cache_plan import TableCacheSpec
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.tbe_views import TableViews
 

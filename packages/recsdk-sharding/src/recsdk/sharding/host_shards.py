@@ -27,13 +27,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, init_rows_
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.cache_plan import TableCacheSpec
 from recsdk.sharding.context import CachedRows, HostStageState
 from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.distribution.input_guard import guard_input
 from recsdk.sharding.distribution.kjt_all_to_all import batch_flag
 from recsdk.sharding.distribution.output_dist import FlagCarrier
 from recsdk.sharding.host_stage import IdMappingStage
+from recsdk.sharding.planning.cache_plan import TableCacheSpec
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.host_adam import HostAdam
 from recsdk.sharding.rows.row_cache import TableCache

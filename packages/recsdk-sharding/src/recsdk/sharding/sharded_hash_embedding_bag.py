@@ -22,12 +22,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.distribution.mean_pooling import MeanPooling
 from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
 from recsdk.sharding.host_sharded_module import HostShardedModule
 from recsdk.sharding.host_shards import HostShards
+from recsdk.sharding.planning.cache_plan import kernel_inputs
 from recsdk.sharding.rows.host_adam import HostAdam
 
 __all__ = ["ShardedHashEmbeddingBagCollection"]

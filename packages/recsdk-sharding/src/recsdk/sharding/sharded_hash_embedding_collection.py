@@ -19,11 +19,11 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsdk.embedding import HashEmbeddingCollection
-from recsdk.sharding.cache_plan import kernel_inputs
 from recsdk.sharding.context import HashEmbeddingCollectionContext
 from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
 from recsdk.sharding.host_sharded_module import HostShardedModule
 from recsdk.sharding.host_shards import HostShards
+from recsdk.sharding.planning.cache_plan import kernel_inputs
 from recsdk.sharding.rows.host_adam import HostAdam
 
 __all__ = ["ShardedHashEmbeddingCollection"]

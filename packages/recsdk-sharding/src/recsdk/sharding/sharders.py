@@ -19,8 +19,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.cache_plan import CACHED_KERNELS
 from recsdk.sharding.distribution.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
+from recsdk.sharding.planning.cache_plan import CACHED_KERNELS
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
 from recsdk.sharding.table_workers import TableWorkers

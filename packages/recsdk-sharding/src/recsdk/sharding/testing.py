@@ -16,7 +16,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
 
-from recsdk.sharding.planner import HybridEmbeddingEnumerator
+from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator
 from recsdk.sharding.sharders import get_default_hybrid_sharders
 
 __all__ = ["shard_on_cpu"]

@@ -4,7 +4,7 @@ early constraint checks.
 :class:`~recsdk.sharding.HybridEmbeddingShardingPlanner` is TorchRec's planner set up with both
 parts below. Or use TorchRec's ``EmbeddingShardingPlanner`` as usual and give it a
 :class:`HybridEmbeddingEnumerator` (and, for the fixed costs of a plan's sharding groups,
-:class:`~recsdk.sharding.cost_model.HybridPerfModel`)::
+:class:`~recsdk.sharding.planning.cost_model.HybridPerfModel`)::
 
     planner = EmbeddingShardingPlanner(
         topology=topology,
@@ -66,8 +66,8 @@ from recsdk.embedding import (
     slot_index,
 )
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.cache_plan import CACHED_KERNELS
-from recsdk.sharding.cost_model import (
+from recsdk.sharding.planning.cache_plan import CACHED_KERNELS
+from recsdk.sharding.planning.cost_model import (
     HybridPerfEstimator,
     as_fused,
     fused_row_bytes,
@@ -123,7 +123,7 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
     - ``fused``: TorchRec's estimate (the rows on the device);
     - ``fused_uvm_caching`` / ``key_value``: TorchRec's estimate of the ``fused`` kernel over the
       cache's rows (``ceil(load_factor x rows)``), the store's rows and optimizer state
-      (:func:`~recsdk.sharding.cost_model.fused_row_bytes`) in DDR or SSD, and the cache's index
+      (:func:`~recsdk.sharding.planning.cost_model.fused_row_bytes`) in DDR or SSD, and the cache's index
       (:func:`cache_index_bytes`) in DDR;
     - and the exact size of its id table (:func:`id_table_bytes`) in DDR.
 
@@ -205,7 +205,7 @@ def _hash_table_config(option: ShardingOption) -> BaseEmbeddingConfig | None:
 class HybridEmbeddingEnumerator(compat.KernelHookEnumerator):
     """TorchRec's ``EmbeddingEnumerator`` for hybrid sharding.
 
-    - Estimates with :class:`~recsdk.sharding.cost_model.HybridPerfEstimator` (recsdk's cost
+    - Estimates with :class:`~recsdk.sharding.planning.cost_model.HybridPerfEstimator` (recsdk's cost
       model for hash tables, TorchRec's ``EmbeddingPerfEstimator`` for other tables) and
       :class:`IdTableStorageEstimator` (unless ``estimator`` is given).
     - Checks ``ParameterConstraints`` against what each table's sharder supports on the
@@ -220,7 +220,7 @@ class HybridEmbeddingEnumerator(compat.KernelHookEnumerator):
         constraints (dict[str, ParameterConstraints] | None): per-table constraints.
         estimator: optional estimator(s), as TorchRec's enumerator takes.
         host_overlap (float): for the default perf estimator: the share of the host id work the
-            training loop hides (see :class:`~recsdk.sharding.cost_model.HybridPerfEstimator`).
+            training loop hides (see :class:`~recsdk.sharding.planning.cost_model.HybridPerfEstimator`).
     """
 
     def __init__(

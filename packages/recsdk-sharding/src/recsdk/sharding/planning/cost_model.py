@@ -54,7 +54,7 @@ Other compute devices: the lookup and the output dist are TorchRec's kernels and
 the device, so they keep TorchRec's estimate; the host id work and the gloo id all-to-alls
 are added as above (the host constants hold for the host).
 
-Cached kernels (``fused_uvm_caching``, ``key_value``, see :mod:`~recsdk.sharding.cache_plan`): the
+Cached kernels (``fused_uvm_caching``, ``key_value``, see :mod:`~recsdk.sharding.planning.cache_plan`): the
 lookup is the ``fused`` kernel's, over the cache's rows (TorchRec's estimate of a ``fused`` table
 off CPU). On top, the device cache's work runs on the training thread when a batch starts
 computing (``TableCache.to_slots``, not hidden by ``host_overlap``) and counts in ``fwd_compute``:
@@ -121,7 +121,7 @@ from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
 from recsdk.sharding._torchrec_compat import EnumerableShardingSpec, ShardMetadata, base_shard_storages
-from recsdk.sharding.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
+from recsdk.sharding.planning.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -311,7 +311,7 @@ def planned_cache(
     shard_rows: Sequence[int] = (1,),
 ) -> TableCacheSpec | None:
     """How ``table`` is cached with these settings, read and checked as the sharded module reads its
-    plan (:func:`~recsdk.sharding.cache_plan.cache_specs`); ``None`` for ``fused``.
+    plan (:func:`~recsdk.sharding.planning.cache_plan.cache_specs`); ``None`` for ``fused``.
 
     Args:
         table (str): the table.
@@ -353,7 +353,7 @@ def option_cache(option: ShardingOption) -> TableCacheSpec | None:
 
 def as_fused(option: ShardingOption, cache: TableCacheSpec) -> ShardingOption:
     """A copy of a cached hash table's ``option`` as the kernel TorchRec builds for it: ``fused``,
-    with the cache's rows per shard (:func:`~recsdk.sharding.cache_plan.device_plan`), for
+    with the cache's rows per shard (:func:`~recsdk.sharding.planning.cache_plan.device_plan`), for
     TorchRec's estimators.
 
     The copy has its own shards, so estimates written to them leave ``option`` as it is.

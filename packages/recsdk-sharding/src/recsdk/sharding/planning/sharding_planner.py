@@ -19,8 +19,8 @@ from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-from recsdk.sharding.cost_model import HybridPerfModel
-from recsdk.sharding.planner import HybridEmbeddingEnumerator
+from recsdk.sharding.planning.cost_model import HybridPerfModel
+from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator
 
 __all__ = ["HybridEmbeddingShardingPlanner"]
 
