@@ -7,11 +7,15 @@ API), so a TorchRec upgrade touches this file only.
 
 * :class:`SparseDistPipelineBase`: ``TrainPipelineSparseDist`` with the private state and
   helpers the hybrid pipeline needs given ``_tr_`` names.
+* :class:`InputDists`: one such pipeline's per-batch input dist operations (a batch's context,
+  the data-dist stream, start, wait) for given modules, for the parts that run them (the host
+  stages and the inline modules).
 * :func:`device_groups`: the process groups TorchRec's sharded modules use for device traffic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
@@ -30,7 +34,7 @@ from torchrec.distributed.train_pipeline.utils import (
     _wait_for_batch,  # make the current stream wait for a side stream (and record the batch on it)
 )
 
-__all__ = ["In", "Out", "SparseDistPipelineBase", "device_groups"]
+__all__ = ["In", "InputDists", "Out", "SparseDistPipelineBase", "device_groups"]
 
 In = TypeVar("In")  # the batch type (TorchRec's is bound to Pipelineable)
 Out = TypeVar("Out")  # the model's output type
@@ -61,8 +65,9 @@ def device_groups(model: torch.nn.Module) -> list[Any]:
 class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out]):
     """TorchRec's ``TrainPipelineSparseDist``, its private state and helpers named ``_tr_*``.
 
-    Subclasses run their own schedule from these: the model rewrite, the per-batch input
-    dist, the copies and stream waits, contexts. Arguments are TorchRec's.
+    Subclasses run their own schedule from these: the model rewrite, the copies and stream
+    waits, contexts (a batch's input dists of given modules go through :class:`InputDists`).
+    Arguments are TorchRec's.
 
     Example::
 
@@ -111,19 +116,10 @@ class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out])
     def _tr_new_context(self) -> TrainPipelineContext:
         return self._create_context()  # numbers the batch (context.index)
 
-    def _tr_host_context(self, index: int | None) -> TrainPipelineContext:
-        """A fresh context for a batch's host stage (version 1: input dist results by batch)."""
-        return self._context_type(index=index, version=1)
-
     def _tr_set_module_context(self, context: TrainPipelineContext) -> None:
         self._set_module_context(context)  # the pipelined forwards read the batch's context
 
     # ---- schedule -----------------------------------------------------------------------
-
-    def _tr_data_dist_scope(self) -> AbstractContextManager[Any]:
-        """Run on the data-dist stream (a no-op on CPU)."""
-        stream = self._data_dist_stream
-        return nullcontext() if stream is None else self._stream_context(stream)
 
     def _tr_copy_to_device(self, batch: Any) -> Any:
         """The batch on the device, copied on the memcpy stream; counts it (TorchRec's counter)."""
@@ -133,16 +129,8 @@ class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out])
         self._batch_count += 1
         return batch
 
-    def _tr_wait_for_copy(self, batch: Any) -> None:
-        _wait_for_batch(batch, self._memcpy_stream)
-
     def _tr_wait_for_data_dist(self, batch: Any) -> None:
         _wait_for_batch(batch, self._data_dist_stream)
-
-    def _tr_start_data_dist(self, modules: list[ShardedModule], batch: Any, context: TrainPipelineContext) -> None:
-        """Start ``modules``' input dists of ``batch``; call within :meth:`_tr_data_dist_scope`."""
-        _wait_for_batch(batch, self._memcpy_stream)
-        _start_data_dist(modules, batch, context)
 
     def _tr_rewrite(self, batch: Any, context: TrainPipelineContext) -> None:
         """Swap the sharded modules' forwards for pipelined ones (TorchRec's model rewrite)."""
@@ -172,3 +160,55 @@ class SparseDistPipelineBase(TrainPipelineSparseDist[In, Out], Generic[In, Out])
     def _tr_sync_embeddings(self, context: TrainPipelineContext) -> None:
         """TorchRec's embedding sync across replicas (a no-op unless the model is a DMPCollection)."""
         self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, context)
+
+
+class InputDists:
+    """A TorchRec sparse-dist pipeline's per-batch input dist operations, for given modules.
+
+    The hybrid pipeline runs the input dists of its host-staged modules (on the host thread)
+    and of its inline modules (on the calling thread) apart; both do it through this object:
+    a fresh context for a batch, the data-dist stream, starting the modules' input dists of a
+    batch (after its copy) and waiting for their splits. It reads the pipeline's streams and
+    context type (fixed once TorchRec's ``__init__`` has run) and calls its
+    ``wait_sparse_data_dist``; it holds nothing else.
+
+    Args:
+        pipeline (TrainPipelineSparseDist): the pipeline whose streams and context type to use.
+
+    Example::
+
+        dists = InputDists(pipeline)
+        context = dists.context(index=4)
+        with dists.scope():
+            dists.start(modules, batch, context)
+            dists.wait(context)  # context.input_dist_tensors_requests now holds each module's
+    """
+
+    def __init__(self, pipeline: TrainPipelineSparseDist[Any, Any]) -> None:
+        self._pipeline = pipeline
+
+    def context(self, index: int | None) -> TrainPipelineContext:
+        """A fresh context for batch ``index`` (version 1: input dist results by batch)."""
+        return self._pipeline._context_type(index=index, version=1)
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """Run on the data-dist stream (a no-op on CPU)."""
+        stream = self._pipeline._data_dist_stream
+        return nullcontext() if stream is None else self._pipeline._stream_context(stream)
+
+    def start(self, modules: Sequence[ShardedModule], batch: Any, context: TrainPipelineContext) -> None:
+        """Start ``modules``' input dists of ``batch`` (after its copy); call within :meth:`scope`.
+
+        Args:
+            modules (Sequence[ShardedModule]): pipelined modules (after the model rewrite).
+            batch: the batch, on the device.
+            context (TrainPipelineContext): the batch's context; gets each module's context and
+                splits requests, by the module's name.
+        """
+        _wait_for_batch(batch, self._pipeline._memcpy_stream)
+        _start_data_dist(list(modules), batch, context)
+
+    def wait(self, context: TrainPipelineContext) -> None:
+        """Wait for the splits of the input dists started in ``context`` (TorchRec's
+        ``wait_sparse_data_dist``): their tensors requests are in the context afterwards."""
+        self._pipeline.wait_sparse_data_dist(context)

@@ -9,36 +9,34 @@ pipeline runs the host stages of the next ``pipe_n_batch`` batches on one backgr
 thread while the calling thread runs the device stage of the current batch (by default on
 an accelerator; on a CPU device it keeps TorchRec's schedule on the calling thread, see
 ``host_thread``).
+
+The pipeline owns the schedule (its :class:`~recsdk.pipeline.in_flight.Lanes` of batches in
+flight, the model rewrite, forward/backward/step) and its failure; it calls two parts that own
+their own state: :class:`~recsdk.pipeline.host_stages.HostStages` (the host thread, the
+agreements, the host stages pending, failed reads) and
+:class:`~recsdk.pipeline.inline_stages.InlineStages` (the inline modules' input dists).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
-from collections.abc import Iterator
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.profiler import record_function
-from torchrec.distributed.model_parallel import ShardedModule
-from torchrec.distributed.types import NoWait
 
-from recsdk.pipeline._torchrec_compat import In, Out, SparseDistPipelineBase
-from recsdk.pipeline.batch_agreements import BatchAgreements
-from recsdk.pipeline.host_staged import HostStagedModule
-from recsdk.pipeline.host_stages import HostResult, HostStages, Lane, Step
-from recsdk.pipeline.host_worker import HostWorker
-from recsdk.sharding import HostShardedModule, refuse_inputs
+from recsdk.pipeline._torchrec_compat import In, InputDists, Out, SparseDistPipelineBase, device_groups
+from recsdk.pipeline.host_staged import plan_modules
+from recsdk.pipeline.host_stages import HostStages
+from recsdk.pipeline.in_flight import Lane, Lanes, Step
+from recsdk.pipeline.inline_stages import InlineStages
 
 __all__ = ["MAX_PIPE_N_BATCH", "HybridTrainPipelineSparseDist"]
 
-logger = logging.getLogger(__name__)
-
 MAX_PIPE_N_BATCH = 12
-HOST_THREAD_NAME = "recsdk-host-stage"
+
+T = TypeVar("T")
 
 
 def _model_device(model: torch.nn.Module) -> torch.device | None:
@@ -57,21 +55,46 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def _select_device(device: torch.device) -> None:
-    """Make ``device`` current on the calling thread (the host thread's setup)."""
-    if device.type not in ("cpu", "meta"):
-        module = torch.get_device_module(device)
-        if hasattr(module, "set_device") and device.index is not None:
-            module.set_device(device)
-
-
 def _check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
 
 
-class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out]):
+def _checked_device(model: object, optimizer: object, device: object) -> torch.device:
+    """``device`` as a ``torch.device``, once the model, optimizer and device are checked."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(device, str):
+        device = torch.device(device)
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {device!r} ({type(device).__name__})")
+    model_device = _model_device(model)
+    if model_device is not None and not _same_device(model_device, device):
+        raise ValueError(f"device {device} differs from the model's device {model_device}; pass the model's device")
+    return device
+
+
+def _check_pipe_n_batch(pipe_n_batch: object) -> None:
+    if isinstance(pipe_n_batch, bool) or not isinstance(pipe_n_batch, int):
+        raise TypeError(f"pipe_n_batch must be an int, got {pipe_n_batch!r} ({type(pipe_n_batch).__name__})")
+    if not 1 <= pipe_n_batch <= MAX_PIPE_N_BATCH:
+        raise ValueError(f"pipe_n_batch must be in [1, {MAX_PIPE_N_BATCH}], got {pipe_n_batch}")
+
+
+def _checked_output(result: object) -> tuple[torch.Tensor, Any]:
+    """The model's ``(loss, output)``, or ``TypeError`` saying what the forward returned instead."""
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+        got = type(result).__name__
+        if isinstance(result, tuple):
+            got = f"a tuple of {len(result)}: ({', '.join(type(r).__name__ for r in result)})"
+        raise TypeError(f"the model's forward must return (loss, output) with a tensor loss, got {got}")
+    return cast(tuple[torch.Tensor, Any], result)
+
+
+class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     """Train (and eval) pipeline that overlaps the host id work with device compute.
 
     A drop-in for TorchRec's ``TrainPipelineSparseDist``. Each :meth:`progress` call runs
@@ -176,49 +199,27 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         pipe_n_batch: int = 2,
         host_thread: bool | None = None,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(device, str):
-            device = torch.device(device)
-        if not isinstance(device, torch.device):
-            raise TypeError(f"device must be a torch.device, got {device!r} ({type(device).__name__})")
-        model_device = _model_device(model)
-        if model_device is not None and not _same_device(model_device, device):
-            raise ValueError(f"device {device} differs from the model's device {model_device}; pass the model's device")
+        device = _checked_device(model, optimizer, device)
         _check_bool("execute_all_batches", execute_all_batches)
         _check_bool("apply_jit", apply_jit)
         _check_bool("return_loss", return_loss)
         if host_thread is not None:
             _check_bool("host_thread", host_thread)
-        if isinstance(pipe_n_batch, bool) or not isinstance(pipe_n_batch, int):
-            raise TypeError(f"pipe_n_batch must be an int, got {pipe_n_batch!r} ({type(pipe_n_batch).__name__})")
-        if not 1 <= pipe_n_batch <= MAX_PIPE_N_BATCH:
-            raise ValueError(f"pipe_n_batch must be in [1, {MAX_PIPE_N_BATCH}], got {pipe_n_batch}")
+        _check_pipe_n_batch(pipe_n_batch)
         super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches, apply_jit=apply_jit)
         self._return_loss = return_loss
         self._pipe_n_batch = pipe_n_batch
+        self._lanes = Lanes()
+        self._train_steps = 0
+        self._output_checked = False
+        # The first failure of a batch (read, host stage or compute): nothing runs after it.
+        self._failure: BaseException | None = None
+        self._input_dists = InputDists(self)
         # The host stage and the lookups share the CPU when the device is the CPU: a thread
         # only takes turns with the calling one, and TorchRec's schedule is faster there.
-        self._host_thread = device.type != "cpu" if host_thread is None else host_thread
-        self._lanes: dict[bool, Lane] = {True: Lane(), False: Lane()}
-        self._active_mode: bool | None = None
-        self._train_steps = 0
-        self._host_modules: list[ShardedModule] = []
-        self._inline_modules: list[ShardedModule] = []
-        # The per-batch failure agreements (their gloo groups are created at the first progress).
-        self._agreements: BatchAgreements | None = None
-        self._names: dict[int, str] = {}
-        self._pending: list[Future[Any]] = []
-        self._output_checked = False
-        self._failure: BaseException | None = None
-        self._read_error: Exception | None = None  # the data iterator raised (this rank)
-        self._last_batch: Any = None  # the last batch read (a failed read's stand-in)
-        # A failed read travels with the batch's ids (no read agreement): set with the modules.
-        self._reads_carried = False
-        # The setup references the device only: the thread must not keep the pipeline alive.
-        self._worker = HostWorker(HOST_THREAD_NAME, setup=functools.partial(_select_device, device))
+        host = device.type != "cpu" if host_thread is None else host_thread
+        self._host = HostStages(self._input_dists, device, host)
+        self._inline = InlineStages(self._input_dists)
 
     # ---- public -------------------------------------------------------------------------
 
@@ -231,18 +232,18 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
     def host_thread(self) -> bool:
         """Whether host stages run on the background thread (else on the calling thread, on
         TorchRec's schedule: the next batch's input dist runs during this batch's forward)."""
-        return self._host_thread
+        return self._host.host_thread
 
     @property
     def host_staged_modules(self) -> list[str]:
         """Names of the sharded modules whose input dist runs on the host thread (known once the
         first batch has been through :meth:`progress`: the pipeline finds them on that batch)."""
-        return [self._name_of(m) for m in self._host_modules]
+        return self._host.module_names
 
     @property
     def inline_modules(self) -> list[str]:
         """Names of the pipelined modules that keep TorchRec's schedule on the calling thread."""
-        return [self._name_of(m) for m in self._inline_modules]
+        return self._inline.module_names
 
     def progress(self, dataloader_iter: Iterator[In]) -> Any:
         """Run one batch: forward, and in train mode backward and the optimizer step.
@@ -266,7 +267,8 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         """
         self._check_usable()
         training = bool(self._tr_model.training)
-        return self._advance(self._enter_mode(training), training, dataloader_iter)
+        lane = self._lanes.enter(training, self._train_steps, self._host.remap)
+        return self._advance(lane, training, dataloader_iter)
 
     @property
     def batches_trained(self) -> int:
@@ -276,7 +278,7 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
     @property
     def batches_read_ahead(self) -> int:
         """Training batches read from the iterator but not trained yet (0 after :meth:`drain`)."""
-        return len(self._lanes[True].steps)
+        return len(self._lanes.train.steps)
 
     def drain(self) -> list[Any]:
         """Train the batches read ahead now, in order, without reading another; their outputs.
@@ -303,7 +305,7 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
             save_checkpoint(model, optimizer, f"ckpt/step_{step}", pipeline=pipeline,
                             extra={"step": step, "data": loader.state_dict()})
         """
-        lane = self._lanes[True]
+        lane = self._lanes.train
         if not lane.steps:
             return []
         self._check_usable()
@@ -312,11 +314,11 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
                 f"drain() trains the {len(lane.steps)} batches read ahead for training, but the model is in eval "
                 "mode; call model.train() first"
             )
-        lane = self._enter_mode(True)
+        lane = self._lanes.enter(True, self._train_steps, self._host.remap)
         return [self._advance(lane, True, None) for _ in range(len(lane.steps))]
 
     def _check_usable(self) -> None:
-        if self._worker.closed:
+        if self._host.closed:
             raise RuntimeError("HybridTrainPipelineSparseDist is closed")
         if self._failure is not None:
             raise RuntimeError(
@@ -331,23 +333,22 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         # The previous batch's backward is done: release its rows now, on this thread and before
         # any host stage is submitted, so which rows a host stage may evict never depends on
         # thread timing.
-        for module in self._host_modules:
-            cast(HostStagedModule, module).release_finished_pins()
+        self._host.release_finished_pins()
         try:
             if dataloader_iter is not None:
                 self._fill(lane, dataloader_iter)
             if not lane.steps:
                 raise StopIteration
             step = lane.steps[0]
-            self._finish_host_stage(step)
+            self._failing(self._host.collect, step)
             self._start_inline(step)
-            self._wait_inline(step)
+            self._inline.wait(step)
             self._tr_set_module_context(step.context)
             if training:
                 self._tr_optimizer.zero_grad()
             self._tr_wait_for_data_dist(step.batch)
             upcoming = lane.steps[1] if len(lane.steps) > 1 else None
-            if upcoming is not None and self._refused(step):
+            if upcoming is not None and self._inline.refused(step):
                 upcoming = None  # the batch raises on every rank: no rank starts one after it
             if upcoming is not None:
                 self._start_inline(upcoming)
@@ -357,7 +358,7 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
                 with torch.no_grad():
                     loss, output = self._forward(step.batch)
             if upcoming is not None:
-                self._wait_inline(upcoming)
+                self._inline.wait(upcoming)
             if step.read_error is not None:
                 # A refused stand-in: its modules' agreement raises in the forward, on every
                 # rank; whatever happened, it is never trained on.
@@ -381,7 +382,7 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         finally:
             # Whatever happened (end of data, an error in forward or in the iterator), the host
             # thread is idle when progress() returns or raises.
-            self._quiesce()
+            self._host.quiesce()
         return (output, loss) if self._return_loss else output
 
     def close(self) -> None:
@@ -391,12 +392,12 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         detached (its sharded modules get their own forwards back), so it can be called
         directly or handed to another pipeline.
         """
-        if not self._worker.closed:
-            self._quiesce()
+        if not self._host.closed:
+            self._host.quiesce()
             self._release_all()
             if self._tr_attached and self._tr_pipelined_modules:
                 self.detach()
-        self._worker.close()
+        self._host.close()
 
     def __enter__(self) -> HybridTrainPipelineSparseDist[In, Out]:
         return self
@@ -410,17 +411,16 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
         Each host-staged module's ``release_context(ctx)`` is called for each dropped
         batch's context, so that it can unpin the rows mapped for that batch.
         """
-        self._quiesce()
+        self._host.quiesce()
         self._release_all()
         super().reset()
-        self._active_mode = None
 
     def detach(self) -> torch.nn.Module:
         """Give the sharded modules their own forwards back (TorchRec's ``detach``).
 
         The batches in flight are kept; the next :meth:`progress` attaches the model again.
         """
-        self._quiesce()
+        self._host.quiesce()
         return super().detach()
 
     def attach(self, model: torch.nn.Module | None = None, sparse_dist: bool = True) -> None:
@@ -429,135 +429,88 @@ class HybridTrainPipelineSparseDist(HostStages, SparseDistPipelineBase[In, Out])
             self._tr_model = model
         self._tr_mark_attached()
         if self._tr_pipelined_modules:
-            step = next((s for lane in self._lanes.values() for s in lane.steps), None)
+            step = next(self._lanes.steps(), None)
             self._tr_rewrite(step.batch if step else None, step.context if step else self._tr_new_context())
             self._tr_override_input_dist_forwards()
-            self._classify_modules()
+            self._adopt_modules()
 
     # ---- the calling thread -------------------------------------------------------------
 
     def _release_all(self) -> None:
-        self._settle_all_reads()
-        for lane in self._lanes.values():
-            for step in lane.steps:
-                self._release(step.host_future)
-        self._lanes = {True: Lane(), False: Lane()}
-
-    def _release(self, future: Future[HostResult] | None) -> None:
-        """Let each module drop what it holds for a batch that will not be computed."""
-        if future is None or not future.done() or future.exception() is not None:
-            return
-        self._release_result(future.result())
-
-    def _enter_mode(self, training: bool) -> Lane:
-        lane = self._lanes[training]
-        if self._active_mode is not None and self._active_mode != training and not training:
-            if lane.train_steps_seen != self._train_steps:
-                # Training changed the id tables since these eval batches were mapped.
-                for step in lane.steps:
-                    if step.host_future is not None:
-                        self._release(step.host_future)
-                        self._submit_host_stage(step, agree_on_read=False)
-        if not training:
-            lane.train_steps_seen = self._train_steps
-        self._active_mode = training
-        return lane
+        self._host.drop(self._lanes.steps())
+        self._lanes.clear()
 
     def _fill(self, lane: Lane, dataloader_iter: Iterator[In]) -> None:
         """Read batches until ``pipe_n_batch`` are ahead of the one to compute; start their host stages.
 
-        A batch the iterator raises on is a failed host stage of that batch (see
-        :meth:`_read_failed`); nothing more is read after a failure.
+        A batch the iterator raises on is a failed host stage of that batch
+        (:meth:`HostStages.read_failed`); nothing more is read after a failure.
         """
         if dataloader_iter is not lane.iterator:
             lane.iterator = dataloader_iter
             lane.exhausted = False
-        if self._agreements is None:
-            self._agreements = BatchAgreements()  # every rank's first progress(): collective
+        self._host.open()  # every rank's first progress(): collective
         while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
-            if self._read_error is not None or self._worker.failure is not None:
+            if self._host.stopped:
                 return  # no batch after a failed one would ever compute
             try:
                 batch = next(dataloader_iter, None)
                 if batch is not None:
                     batch = self._tr_copy_to_device(batch)
             except Exception as e:  # the user's iterator (or the copy) failed
-                self._read_failed(lane, e)
+                rewritten = bool(self._tr_pipelined_modules)
+                lane.steps.append(self._failing(self._host.read_failed, e, self._tr_new_context(), rewritten))
                 return
             if batch is None:
                 lane.exhausted = True
                 break
-            self._last_batch = batch
             step = Step(batch=batch, context=self._tr_new_context())
             lane.steps.append(step)
             if not self._tr_pipelined_modules:
-                self._agree_on_read_here(step.context.index, None)
+                self._failing(self._host.read, step, False)
                 self._bootstrap(step)
             else:
-                self._submit_host_stage(step, agree_on_read=True)
+                self._host.read(step, True)
         if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
             raise StopIteration
+
+    def _bootstrap(self, step: Step) -> None:
+        """First batch: rewrite the model and run its whole input dist here, inline; then the
+        host stages map their modules' share of it."""
+        context = step.context
+        self._tr_rewrite(step.batch, context)
+        with self._input_dists.scope():
+            self._input_dists.start(self._tr_pipelined_modules, step.batch, context)
+            self._input_dists.wait(context)
+        # The input dists exist now: swap in TorchRec's fused-splits forwards.
+        self._tr_override_input_dist_forwards()
+        self._adopt_modules()
+        self._host.map_first(step)
+        step.inline_started = True
+
+    def _adopt_modules(self) -> None:
+        """Split the pipelined modules between the host stages and the inline schedule."""
+        plan = plan_modules(self._tr_pipelined_modules, device_groups(self._tr_model), self._host.host_thread)
+        self._host.adopt(plan)
+        self._inline.adopt(plan)
 
     def _start_inline(self, step: Step) -> None:
         # Settled before the batch's first collective, also for a batch this rank could not
         # read (it issues none): its peers may be in that agreement's message exchange.
-        self._settle_read(step)
-        if step.inline_started:
-            return
-        if step.read_agreed is not None and step.read_agreed.exception() is not None:
-            return  # a rank could not read this batch: it never computes, on any rank
-        step.inline_started = True
-        if not self._inline_modules:
-            return
-        with self._tr_data_dist_scope(), refuse_inputs(step.read_error):
-            self._tr_start_data_dist(self._inline_modules, step.batch, step.context)
+        self._host.settle_read(step)
+        self._inline.start(step)
 
-    def _refused(self, step: Step) -> bool:
-        """Whether some rank refused the step's batch in a hash module's input dist (its input
-        check, or a failed read's stand-in): the same answer on every rank once the batch's
-        splits are waited for; its forward then raises on every rank."""
-        for module in self._inline_modules:
-            if isinstance(module, HostShardedModule):
-                module_context = step.context.module_contexts.get(self._name_of(module))
-                if module_context is not None and module.input_refused(module_context):
-                    return True
-        return False
-
-    def _wait_inline(self, step: Step) -> None:
-        if step.context.fused_splits_awaitables:
-            with self._tr_data_dist_scope():
-                self.wait_sparse_data_dist(step.context)
-
-    def _finish_host_stage(self, step: Step) -> None:
-        self._settle_read(step)
-        agreed, step.read_agreed = step.read_agreed, None
-        future, step.host_future = step.host_future, None
+    def _failing(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``; what it raises (a read or host stage that failed) stops the pipeline."""
         try:
-            if agreed is not None:
-                agreed.result()  # first: a failed read skips the host stage after it
-            if future is None:
-                return
-            result = future.result()
+            return call(*args)
         except BaseException as e:
             self._failure = e
             raise
-        for name, (module_context, kjts) in result.items():
-            step.context.module_contexts[name] = module_context
-            step.context.input_dist_tensors_requests[name] = NoWait(kjts)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         result = self._tr_model(batch)
         if not self._output_checked:
-            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
-                got = type(result).__name__
-                if isinstance(result, tuple):
-                    got = f"a tuple of {len(result)}: ({', '.join(type(r).__name__ for r in result)})"
-                raise TypeError(f"the model's forward must return (loss, output) with a tensor loss, got {got}")
+            _checked_output(result)
             self._output_checked = True
         return cast(tuple[torch.Tensor, Any], result)
-
-    def _quiesce(self) -> None:
-        """Wait until the host thread is idle (every progress ends with it)."""
-        pending, self._pending = self._pending, []
-        if pending:
-            wait_futures(pending)
