@@ -78,7 +78,7 @@ from recsdk.sharding import (
     owner,
     save_checkpoint,
 )
-from recsdk.sharding.checkpoint import files
+from recsdk.sharding.writing import files
 
 
 class Model(nn.Module):

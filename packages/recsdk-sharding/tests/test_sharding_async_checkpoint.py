@@ -88,7 +88,7 @@ def test_a_failed_background_write_raises_on_every_rank_at_the_next_save(tmp_pat
 
 
 def _killed_mid_write(rank: int, world_size: int, root: str) -> None:
-    from recsdk.sharding.checkpoint import files
+    from recsdk.sharding.writing import files
 
     ddp_model, optimizer = _build()
     _train(ddp_model, optimizer, _batches(rank, world_size, 0, 2))

@@ -181,7 +181,7 @@ def test_a_failure_while_committing_on_one_rank_is_shared(damaged) -> None:
 
 
 def _full_disk(rank: int, world_size: int, root: str, where: str) -> dict[str, Any]:
-    import recsdk.sharding.checkpoint.publish as publish
+    import recsdk.sharding.writing.atomic_directory as atomic_directory
 
     ddp_model, optimizer = _build()
     _train(ddp_model, optimizer, _batches(rank, world_size, 0, 1))
@@ -195,7 +195,7 @@ def _full_disk(rank: int, world_size: int, root: str, where: str) -> dict[str, A
     dist.barrier()
 
     no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write(2) raises it: no file name
-    write_data, write_json = dcp.FileSystemWriter.write_data, publish.write_json
+    write_data, write_json = dcp.FileSystemWriter.write_data, atomic_directory.write_json
     if where == "data" and rank == 1:  # rank 1's disk fills up once its shard is written
 
         def write_then_fail(self: Any, plan: Any, planner: Any) -> Any:
@@ -208,9 +208,9 @@ def _full_disk(rank: int, world_size: int, root: str, where: str) -> dict[str, A
         def fail(path: str, obj: Any) -> None:
             raise no_space
 
-        publish.write_json = fail
+        atomic_directory.write_json = fail
     result = _timed_call(lambda: save_checkpoint(ddp_model, optimizer, os.path.join(root, "full")))
-    dcp.FileSystemWriter.write_data, publish.write_json = write_data, write_json  # type: ignore[method-assign]
+    dcp.FileSystemWriter.write_data, atomic_directory.write_json = write_data, write_json  # type: ignore[method-assign]
     dist.barrier()
     result["partials_after_failure"] = sorted(glob.glob(os.path.join(root, ".full.partial-*")))
     result["stale_after_failure"] = os.path.isdir(stale)

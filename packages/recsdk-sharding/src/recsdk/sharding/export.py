@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.errors import os_reason
-from recsdk.sharding.checkpoint.layout import root
-from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.host_sharded_module import HostShardedModule
+from recsdk.sharding.writing.atomic_directory import write_directory
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.errors import os_reason
+from recsdk.sharding.writing.hash_modules import root
 
 __all__ = ["EXPORT_MANIFEST", "export_embeddings"]
 

@@ -17,8 +17,8 @@ from torch import nn
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.embedding.publication import DENSE_FILE, describe_table, encode_rows, table_file
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.checkpoint.errors import os_reason
-from recsdk.sharding.checkpoint.layout import HashModule, hash_weight_keys
+from recsdk.sharding.writing.errors import os_reason
+from recsdk.sharding.writing.hash_modules import HashModule, hash_weight_keys
 
 __all__ = ["dense_state", "table_descriptions", "write_dense", "write_table"]
 

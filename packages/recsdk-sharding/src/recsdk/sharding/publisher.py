@@ -14,7 +14,7 @@ Every :meth:`Publisher.publish` writes the next version under the root (the form
 3. each rank writes its table files into the version's partial directory (rank 0 also the dense
    part), checksums them, and rank 0 writes the manifest last (with the CRC-32 of its own
    content and, for a delta, its parent's manifest's) and renames the directory
-   (the checkpoint code's :func:`~recsdk.sharding.checkpoint.publish.write_directory`);
+   (the checkpoint code's :func:`~recsdk.sharding.writing.atomic_directory.write_directory`);
 4. only then do the trackers commit (what the version held counts as published). A failure on
    any rank raises on every rank, removes the partial directory and commits nothing: the next
    version carries those changes.
@@ -51,11 +51,11 @@ from recsdk.embedding.publication import (
     read_manifest,
     version_path,
 )
-from recsdk.sharding.checkpoint import files
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.layout import HashModule, hash_modules
-from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.publication_files import dense_state, table_descriptions, write_dense, write_table
+from recsdk.sharding.writing import files
+from recsdk.sharding.writing.atomic_directory import write_directory
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.hash_modules import HashModule, hash_modules
 
 __all__ = ["PublishRecord", "Publisher"]
 

@@ -25,17 +25,17 @@ once every rank has read and validated its part. A failure on one rank raises on
 Modules: :mod:`.save`, :mod:`.async_save` (the same write on a background thread, from a
 snapshot taken on the training thread), :mod:`.load` (with :mod:`.validate`, checking a checkpoint against the
 model, and :mod:`.reshard`, rebuilding tables by id), :mod:`.manifest` (the format),
-:mod:`.files` (sizes and checksums), :mod:`.publish` (atomic directories, shared with
-:mod:`recsdk.sharding.export`), :mod:`.layout` (what is read off the model),
-:mod:`.optimizer_state`, :mod:`.storage` (DCP) and :mod:`.comm` (collectives and the failure
-agreement).
+:mod:`.layout` (how the tables are laid out, and the per-table state beside the rows),
+:mod:`.optimizer_state` and :mod:`.storage` (DCP). What checkpoints share with exports and
+publications (collectives and the failure agreement, atomic directories, file sizes and
+checksums, the hash modules read off the model) is :mod:`recsdk.sharding.writing`.
 """
 
 from recsdk.sharding.checkpoint.async_save import AsyncCheckpointer
-from recsdk.sharding.checkpoint.errors import CheckpointError
 from recsdk.sharding.checkpoint.load import load_checkpoint
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, latest_checkpoint
 from recsdk.sharding.checkpoint.save import save_checkpoint
+from recsdk.sharding.writing.errors import CheckpointError
 
 __all__ = [
     "CHECKPOINT_MANIFEST",

@@ -24,11 +24,11 @@ from torch import nn
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torchrec.optim.keyed import KeyedOptimizer
 
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.layout import hash_modules
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST
-from recsdk.sharding.checkpoint.publish import write_directory
 from recsdk.sharding.checkpoint.save import ReadAhead, check_save_arguments, collect, write
+from recsdk.sharding.writing.atomic_directory import write_directory
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.hash_modules import hash_modules
 
 __all__ = ["AsyncCheckpointer"]
 

@@ -1,7 +1,7 @@
 """``load_checkpoint``: validate, read into staging buffers, agree, then commit to the model.
 
 Every step that may fail on some ranks runs through the checkpoint's failure agreement
-(:meth:`~recsdk.sharding.checkpoint.comm.Comm.run`), so a failure anywhere raises on every
+(:meth:`~recsdk.sharding.writing.comm.Comm.run`), so a failure anywhere raises on every
 rank at once; the model, its id tables and the optimizer change only in the last step, after
 every rank has read and validated its part.
 """
@@ -21,13 +21,15 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.embedding import IdTable
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.checkpoint import files, optimizer_state, storage
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.errors import CheckpointError
-from recsdk.sharding.checkpoint.layout import HashModule, fused_counters, hash_modules, hash_weight_keys, host_group
+from recsdk.sharding.checkpoint import optimizer_state, storage
+from recsdk.sharding.checkpoint.layout import fused_counters
 from recsdk.sharding.checkpoint.manifest import hash_prefix, read_manifest
 from recsdk.sharding.checkpoint.reshard import check_resharded, commit_resharded, read_resharded
 from recsdk.sharding.checkpoint.validate import TableLoad, plan_load
+from recsdk.sharding.writing import files
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.errors import CheckpointError
+from recsdk.sharding.writing.hash_modules import HashModule, hash_modules, hash_weight_keys, host_group
 
 __all__ = ["load_checkpoint"]
 

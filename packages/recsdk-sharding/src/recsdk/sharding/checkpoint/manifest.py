@@ -22,9 +22,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from recsdk.sharding.checkpoint.files import verify_sizes
-from recsdk.sharding.checkpoint.layout import HashModule, layouts
-from recsdk.sharding.checkpoint.publish import PARTIAL
+from recsdk.sharding.checkpoint.layout import layouts
+from recsdk.sharding.writing.atomic_directory import PARTIAL
+from recsdk.sharding.writing.files import verify_sizes
+from recsdk.sharding.writing.hash_modules import HashModule
 
 __all__ = [
     "CHECKPOINT_MANIFEST",

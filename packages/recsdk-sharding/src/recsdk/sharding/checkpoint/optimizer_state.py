@@ -19,9 +19,9 @@ import torch
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, OptimizerWrapper
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.checkpoint.layout import HashModule
 from recsdk.sharding.checkpoint.manifest import optim_key
 from recsdk.sharding.checkpoint.storage import empty_like_saved
+from recsdk.sharding.writing.hash_modules import HashModule
 
 __all__ = [
     "PARAM_GROUPS_KEY",

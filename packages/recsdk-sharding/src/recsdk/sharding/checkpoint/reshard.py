@@ -22,11 +22,11 @@ import torch
 from recsdk.embedding.id_table_scores import rebased
 from recsdk.embedding.policies import score_of
 from recsdk.sharding.checkpoint import storage
-from recsdk.sharding.checkpoint.comm import Comm
 from recsdk.sharding.checkpoint.layout import fused_counters
 from recsdk.sharding.checkpoint.manifest import hash_prefix
 from recsdk.sharding.checkpoint.validate import TableLoad
 from recsdk.sharding.distribution.owner import owner
+from recsdk.sharding.writing.comm import Comm
 
 __all__ = ["check_resharded", "commit_resharded", "read_resharded"]
 

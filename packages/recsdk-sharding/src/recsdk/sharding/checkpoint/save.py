@@ -12,18 +12,13 @@ from torch import nn
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.embedding import ScoreEviction
-from recsdk.sharding.checkpoint import files, optimizer_state, storage
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.layout import (
-    HashModule,
-    fused_counters,
-    hash_modules,
-    hash_weight_keys,
-    host_group,
-    layouts,
-)
+from recsdk.sharding.checkpoint import optimizer_state, storage
+from recsdk.sharding.checkpoint.layout import fused_counters, layouts
 from recsdk.sharding.checkpoint.manifest import CHECKPOINT_MANIFEST, build_manifest, hash_prefix
-from recsdk.sharding.checkpoint.publish import write_directory
+from recsdk.sharding.writing import files
+from recsdk.sharding.writing.atomic_directory import write_directory
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.hash_modules import HashModule, hash_modules, hash_weight_keys, host_group
 
 __all__ = ["save_checkpoint"]
 

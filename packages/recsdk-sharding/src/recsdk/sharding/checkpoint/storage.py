@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.errors import CheckpointError, os_reason
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.errors import CheckpointError, os_reason
 
 __all__ = ["empty_like_saved", "read", "read_metadata", "write"]
 

@@ -19,17 +19,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.checkpoint.layout import (
-    HashModule,
-    TableLayout,
-    admission_counters,
-    fused_counters,
-    hash_weight_keys,
-    layouts,
-    score_layout,
-)
+from recsdk.sharding.checkpoint.layout import TableLayout, admission_counters, fused_counters, layouts, score_layout
 from recsdk.sharding.checkpoint.manifest import optim_key
 from recsdk.sharding.checkpoint.optimizer_state import hash_param_ids
+from recsdk.sharding.writing.hash_modules import HashModule, hash_weight_keys
 
 __all__ = ["TableLoad", "plan_load"]
 

@@ -1,6 +1,6 @@
 """Atomic directories: written by every rank under a partial name, published by one rename.
 
-Shared by checkpoints and exports. :func:`begin_directory` has rank 0 create
+Shared by checkpoints, exports and publications. :func:`begin_directory` has rank 0 create
 ``.<name>.partial-<token>`` beside the final path; every rank writes into it; then
 :func:`publish_directory` has rank 0 write the manifest (the completeness marker), fsync and
 rename the directory to its final name. A failed write is cleaned up with
@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from recsdk.sharding.checkpoint.comm import Comm
-from recsdk.sharding.checkpoint.errors import os_reason
+from recsdk.sharding.writing.comm import Comm
+from recsdk.sharding.writing.errors import os_reason
 
 __all__ = [
     "PARTIAL",
@@ -44,7 +44,7 @@ def begin_directory(final: str, comm: Comm, what: str) -> str:
     Args:
         final (str): the absolute path the directory will be published at.
         comm (Comm): the ranks writing it.
-        what (str): ``"checkpoint"`` or ``"export"``, for the errors.
+        what (str): ``"checkpoint"``, ``"export"`` or ``"publication"``, for the errors.
 
     Returns:
         str: the partial directory's path.

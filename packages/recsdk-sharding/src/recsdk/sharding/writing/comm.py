@@ -1,7 +1,8 @@
-"""Collectives of a checkpoint save or load over the host group, and its one failure agreement.
+"""Collectives of a checkpoint save or load, an export or a publish over the host group, and its one
+failure agreement.
 
 Every rank runs the same steps in the same order. A step that may fail on some ranks only runs
-through :meth:`Comm.run`: its error, or ``None``, goes through the checkpoint's
+through :meth:`Comm.run`: its error, or ``None``, goes through the writer's
 :class:`~recsdk.sharding.FailureAgreement`, so that every rank raises at that point instead of
 leaving the healthy ones blocked in the next collective until the process-group timeout. A
 step run that way issues no collective itself.
@@ -16,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from recsdk.sharding.checkpoint.errors import CheckpointError
 from recsdk.sharding.distribution.agreement import FailureAgreement
+from recsdk.sharding.writing.errors import CheckpointError
 
 __all__ = ["Comm"]
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from recsdk.embedding.file_checksum import checksum
-from recsdk.sharding.checkpoint.errors import CheckpointError
+from recsdk.sharding.writing.errors import CheckpointError
 
 __all__ = [
     "BackgroundChecksums",
