@@ -136,7 +136,7 @@ def test_replaying_full_and_deltas_gives_the_model_at_every_version(
 def _failed_then_good(rank: int, world_size: int, root: str) -> dict:
     import errno
 
-    import recsdk.sharding.publisher as publisher_module
+    import recsdk.sharding.publishing.publisher as publisher_module
 
     torch.set_num_threads(1)
     dmp, opt = build("row_wise")
@@ -273,7 +273,7 @@ def test_a_damaged_version_is_refused_naming_the_file_and_files_follow_the_umask
 def _killed_mid_publish(rank: int, world_size: int, root: str) -> None:
     import signal
 
-    import recsdk.sharding.publisher as publisher_module
+    import recsdk.sharding.publishing.publisher as publisher_module
 
     torch.set_num_threads(1)
     dmp, opt = build("row_wise")

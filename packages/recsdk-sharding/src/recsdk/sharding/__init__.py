@@ -37,7 +37,6 @@ from recsdk.sharding.distribution.shardings import (
     HostTwPooledEmbeddingSharding,
     HostTwSequenceEmbeddingSharding,
 )
-from recsdk.sharding.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.planning.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.planning.cost_model import (
@@ -49,7 +48,8 @@ from recsdk.sharding.planning.cost_model import (
 )
 from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.planning.sharding_planner import HybridEmbeddingShardingPlanner
-from recsdk.sharding.publisher import Publisher, PublishRecord
+from recsdk.sharding.publishing.export import EXPORT_MANIFEST, export_embeddings
+from recsdk.sharding.publishing.publisher import Publisher, PublishRecord
 from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.row_cache import TableCache
 from recsdk.sharding.rows.row_store import FileRowStore, HostRowStore, RowStore

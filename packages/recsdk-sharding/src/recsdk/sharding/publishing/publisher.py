@@ -51,7 +51,7 @@ from recsdk.embedding.publication import (
     read_manifest,
     version_path,
 )
-from recsdk.sharding.publication_files import dense_state, table_descriptions, write_dense, write_table
+from recsdk.sharding.publishing.publication_files import dense_state, table_descriptions, write_dense, write_table
 from recsdk.sharding.writing import files
 from recsdk.sharding.writing.atomic_directory import write_directory
 from recsdk.sharding.writing.comm import Comm
