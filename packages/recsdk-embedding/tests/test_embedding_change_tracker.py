@@ -30,9 +30,8 @@ def ids(*values: int) -> torch.Tensor:
 
 def publish(table: IdTable, *, full: bool = False, exclude: torch.Tensor | None = None, token: str = "t"):
     """Snapshot and commit at once (a publish that succeeded); returns (ids, deleted) as lists."""
-    changes = table.track_changes()
-    snap = changes.snapshot(table, full=full, exclude=exclude)
-    changes.commit(table, snap, token)
+    snap = table.snapshot_changes(full=full, exclude=exclude)
+    table.commit_changes(snap, token)
     return sorted(snap.ids.tolist()), sorted(snap.deleted.tolist())
 
 
@@ -84,25 +83,25 @@ def test_rows_owed_a_reset_are_left_out_and_published_once_reset() -> None:
 
 def test_a_failed_publish_loses_nothing_and_changes_made_while_writing_are_kept() -> None:
     table = IdTable(4, eviction=LRUEviction())
-    changes = table.track_changes()
+    table.track_changes()
     table.find_or_insert(ids(1, 2))
     publish(table, full=True)
     table.find_or_insert(ids(3))
-    changes.snapshot(table, full=False)  # the write failed: no commit
-    snap = changes.snapshot(table, full=False)
+    table.snapshot_changes(full=False)  # the write failed: no commit
+    snap = table.snapshot_changes(full=False)
     assert sorted(snap.ids.tolist()) == [3]
     table.find_or_insert(ids(4))  # while the version is written (a pipeline's host thread)
-    changes.commit(table, snap, "v")
+    table.commit_changes(snap, "v")
     assert publish(table) == ([4], [])
 
 
 def test_a_published_id_that_changes_hands_while_its_version_is_written_is_deleted_next() -> None:
     table = IdTable(1, eviction=LRUEviction())
-    changes = table.track_changes()
+    table.track_changes()
     table.find_or_insert(ids(1))
-    snap = changes.snapshot(table, full=True)
+    snap = table.snapshot_changes(full=True)
     table.find_or_insert(ids(2))  # evicts 1 before the version holding it is committed
-    changes.commit(table, snap, "v")
+    table.commit_changes(snap, "v")
     assert publish(table) == ([2], [1])
 
 

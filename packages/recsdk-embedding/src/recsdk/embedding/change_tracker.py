@@ -24,28 +24,27 @@ it. The tracker is the bookkeeping that makes a delta exact; its duties:
 
 The tracker is written by its :class:`~recsdk.embedding.IdTable` (placements and frees, under the
 table's caller's lock) and by the training step (:meth:`changed`: the rows a batch trained); a
-publisher reads it with :meth:`snapshot` and commits with :meth:`commit` once the version is
-published. Memory: 5 bytes per row (int32 stamps, bool flags), in lazily zeroed pages on CPU.
+publisher reads it through the table, which knows the ids of the rows
+(:meth:`IdTable.snapshot_changes`), and commits through it once the version is published
+(:meth:`IdTable.commit_changes`). The tracker knows rows and ids only as it is told them: it
+never reads the table. Memory: 5 bytes per row (int32 stamps, bool flags), in lazily zeroed
+pages on CPU.
 
 Example::
 
-    tracker = table.track_changes()
-    snap = tracker.snapshot(table, full=False, exclude=owed_rows)
+    table.track_changes()
+    snap = table.snapshot_changes(full=False, exclude=owed_rows)
     ...  # write snap.ids with their rows, and snap.deleted
-    tracker.commit(table, snap, token="9f3a...")
+    table.commit_changes(snap, token="9f3a...")
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from recsdk.embedding.lazy_memory import lazy_zeros
-
-if TYPE_CHECKING:
-    from recsdk.embedding.id_table import IdTable
 
 __all__ = ["ChangeSnapshot", "RowChangeTracker"]
 
@@ -118,52 +117,33 @@ class RowChangeTracker:
             self._published.index_fill_(0, rows, False)
         self._stamp.index_fill_(0, rows, self._epoch)
 
-    # ------------------------------------------------------------------ read and committed by a publisher
+    # ------------------------------------------------------------------ read and committed through the table
 
-    def snapshot(self, table: IdTable, *, full: bool, exclude: torch.Tensor | None = None) -> ChangeSnapshot:
-        """What the table's next version holds; changes nothing but the epoch. Call under the lock
-        that serialises the table's other callers.
+    def changed_rows(self) -> torch.Tensor:
+        """int64 rows stamped since the last published snapshot, ascending (reads only)."""
+        return (self._stamp >= self._base).nonzero().squeeze(1)
 
-        Args:
-            table (IdTable): the tracked table.
-            full (bool): every id (a full version), or only the changes since the last commit.
-            exclude (torch.Tensor | None): rows owed a reset: their ids are left out (and stay
-                changed for the next version).
+    @property
+    def num_departed(self) -> int:
+        """Entries of the list of published ids that left their rows."""
+        return len(self._left)
 
-        Returns:
-            ChangeSnapshot: ids and rows ascending by row, the deleted ids ascending.
-        """
-        excluded = _EMPTY.to(self._device) if exclude is None else exclude.to(self._device, torch.int64).unique()
-        if full:
-            ids, rows = table.ids_and_rows()
-        else:
-            rows = (self._stamp >= self._base).nonzero().squeeze(1)
-            ids, occupied = table.occupants(rows)
-            ids, rows = ids[occupied], rows[occupied]
-        if excluded.numel():
-            keep = ~torch.isin(rows, excluded)
-            ids, rows = ids[keep], rows[keep]
-        left_taken = len(self._left)
-        deleted = _EMPTY.to(self._device)
-        if not full and left_taken:
-            gone = torch.cat(self._left[:left_taken]).unique()
-            now = table.find(gone)
-            back = now >= 0
-            if excluded.numel():
-                back &= ~torch.isin(now, excluded)
-            deleted = gone[~back]
-        snap = ChangeSnapshot(full, ids, rows, deleted, self._epoch, left_taken, excluded)
+    def departed(self, count: int) -> torch.Tensor:
+        """The distinct ids of the list's first ``count`` entries (int64, ascending; reads only)."""
+        if not count:
+            return _EMPTY.to(self._device)
+        return torch.cat(self._left[:count]).unique()
+
+    def close_epoch(self) -> int:
+        """Open a new epoch for the changes made from now on; returns the closed one (a snapshot's)."""
+        epoch = self._epoch
         self._epoch += 1
-        return snap
+        return epoch
 
-    def commit(self, table: IdTable, snap: ChangeSnapshot, token: str) -> None:
-        """The version holding ``snap`` is published: its ids count as published from now on.
-
-        Call under the same lock as :meth:`snapshot`. Ids of ``snap`` whose rows changed hands
-        since the snapshot count as departed (the next version deletes them).
-        """
-        ids_now, occupied = table.occupants(snap.rows)
-        still = occupied & (ids_now == snap.ids)
+    def published(self, snap: ChangeSnapshot, still: torch.Tensor, token: str) -> None:
+        """The version holding ``snap`` is published as ``token``: its ids count as published from
+        now on, except those that no longer hold their rows (bool ``still [n]`` is False), which
+        count as departed (the next version deletes them). Rows it left out stay changed."""
         if snap.full:
             self._published.zero_()
         self._published[snap.rows[still]] = True

@@ -13,8 +13,8 @@ from torchrec.modules.embedding_configs import (
     PoolingType,
 )
 
-from recsdk.embedding.id_table_state import _MAX_CAPACITY
 from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy, check_policies
+from recsdk.embedding.row_states import MAX_CAPACITY
 
 __all__ = ["HashEmbeddingBagConfig", "HashEmbeddingConfig", "HashTableConfig"]
 
@@ -33,8 +33,8 @@ def _check_table(cfg: BaseEmbeddingConfig, admission: AdmissionPolicy | None, ev
             raise TypeError(f"{where}: {field} must be an int, got {type(value).__name__} {value!r}")
         if value <= 0:
             raise ValueError(f"{where}: {field} must be > 0, got {value}")
-    if cfg.num_embeddings > _MAX_CAPACITY:
-        raise ValueError(f"{where}: num_embeddings must be <= {_MAX_CAPACITY}, got {cfg.num_embeddings}")
+    if cfg.num_embeddings > MAX_CAPACITY:
+        raise ValueError(f"{where}: num_embeddings must be <= {MAX_CAPACITY}, got {cfg.num_embeddings}")
     if cfg.embedding_dim % 4:
         raise ValueError(
             f"{where}: embedding_dim must be a multiple of 4 (the fused CPU embedding kernel needs it), "

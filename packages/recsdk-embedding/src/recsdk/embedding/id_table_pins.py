@@ -3,69 +3,92 @@
 A batch mapped ahead of its compute holds its rows until it has computed (a pipeline's
 ``RowLedger`` pins and unpins them); eviction and TTL sweeps pass over pinned rows. Each
 occurrence of a row is one reference (int32 counts per row, resident only where written); ``-1``
-entries (ids not admitted) go to a spare entry at index ``capacity`` and are dropped. A mixin of
-``IdTable``: it reads the table's own arrays; nothing outside the table does.
+entries (ids not admitted) go to a spare entry at index ``capacity`` and are dropped. A part of
+``IdTable``: it owns the counts; the table checks the rows it is given and calls it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+
+from recsdk.embedding.lazy_memory import lazy_zeros
 
 __all__ = ["IdTablePins"]
 
 
 class IdTablePins:
-    """Reference-counted pins of an :class:`~recsdk.embedding.IdTable`'s rows (a mixin of it)."""
+    """Reference-counted pins of one id table's rows.
 
-    if TYPE_CHECKING:  # the table's arrays and helpers this mixin reads (defined by IdTable)
-        _name: str
-        _capacity: int
-        _high_water: int
-        _pin_end: int
-        _pins: torch.Tensor
-        _pins_buf: torch.Tensor
+    Args:
+        name (str): the table's name, for errors.
+        capacity (int): the table's rows.
+        device (torch.device): where the counts live.
 
-        def _as_rows(self, rows: torch.Tensor, op: str, *, allow_missing: bool) -> torch.Tensor: ...
+    Example::
 
-    def pin(self, rows: torch.Tensor) -> None:
-        """Protect rows from eviction and reassignment (reference-counted, int32 counts).
+        pins = IdTablePins("user", 8, torch.device("cpu"))
+        pins.add(torch.tensor([3, 3, -1]))  # row 3 pinned twice, -1 ignored
+        pins.num_pinned(high_water=4)  # 1
+    """
 
-        Each occurrence of a row adds one reference; ``-1`` entries (ids not admitted) are ignored,
-        so the output of :meth:`find_or_insert` can be passed as is.
+    def __init__(self, name: str, capacity: int, device: torch.device) -> None:
+        self._name = name
+        self._capacity = capacity
+        self._device = device
+        self.reset()
 
-        Args:
-            rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
-        """
-        flat = self._as_rows(rows, "pin", allow_missing=True)
-        if flat.numel():
-            self._pin_end = max(self._pin_end, int(flat.max()) + 1)
-        self._add_pins(flat, 1)
+    def reset(self) -> None:
+        """No row pinned (fresh counts)."""
+        self._pins_buf = lazy_zeros(self._capacity + 1, torch.int32, self._device)
+        self._pins = self._pins_buf[: self._capacity]
+        self._pin_end = 0  # no row at or above max(this, the table's high-water mark) was ever pinned
 
-    def unpin(self, rows: torch.Tensor) -> None:
-        """Drop references taken by :meth:`pin` (same rows, same multiplicity).
+    @property
+    def counts(self) -> torch.Tensor:
+        """int32 ``[capacity]``: the pins of each row, to read."""
+        return self._pins
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors held (for memory accounting)."""
+        return [self._pins_buf]
+
+    def add(self, rows: torch.Tensor) -> None:
+        """One reference per occurrence of int64 ``rows`` in ``[-1, capacity)`` (``-1`` ignored)."""
+        if rows.numel():
+            self._pin_end = max(self._pin_end, int(rows.max()) + 1)
+        self._add(rows, 1)
+
+    def drop(self, rows: torch.Tensor) -> None:
+        """Drop the references :meth:`add` took (same rows, same multiplicity).
 
         Raises:
-            ValueError: a row would drop below zero references (the table is left unchanged).
+            ValueError: a row would drop below zero references (the counts are left unchanged).
         """
-        flat = self._as_rows(rows, "unpin", allow_missing=True)
-        idx = self._add_pins(flat, -1)
+        idx = self._add(rows, -1)
         counts = self._pins_buf.index_select(0, idx)
         if idx.numel() and int(counts.min()) < 0:
-            row = int(flat[(counts < 0).nonzero()[0, 0]])
-            self._add_pins(flat, 1)
+            row = int(rows[(counts < 0).nonzero()[0, 0]])
+            self._add(rows, 1)
             raise ValueError(
                 f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
                 f"(pinned {int(self._pins[row])} times)"
             )
 
-    def num_pinned(self) -> int:
-        """Number of rows with at least one pin."""
-        return int((self._pins[: max(self._high_water, self._pin_end)] > 0).sum())
+    def num_pinned(self, high_water: int) -> int:
+        """Number of rows with at least one pin (the table's rows below ``high_water`` and any
+        pinned above it)."""
+        return int((self._pins[: max(high_water, self._pin_end)] > 0).sum())
 
-    def _add_pins(self, rows: torch.Tensor, delta: int) -> torch.Tensor:
-        """Add ``delta`` to the pin count of each occurrence of ``rows`` (``-1`` entries go to the spare entry)."""
+    def unpinned_mask(self, high_water: int) -> torch.Tensor:
+        """bool ``[high_water]``: which rows below the mark have no pin."""
+        return self._pins[:high_water] == 0
+
+    def any_pinned(self, rows: torch.Tensor) -> bool:
+        """Whether one of int64 ``rows`` (in ``[0, capacity)``) is pinned."""
+        return bool((self._pins[rows] > 0).any())
+
+    def _add(self, rows: torch.Tensor, delta: int) -> torch.Tensor:
+        """Add ``delta`` to the count of each occurrence of ``rows`` (``-1`` entries go to the spare entry)."""
         idx = rows.masked_fill(rows < 0, self._capacity)
         self._pins_buf.index_add_(0, idx, torch.full_like(idx, delta, dtype=torch.int32))
         self._pins_buf[self._capacity] = 0

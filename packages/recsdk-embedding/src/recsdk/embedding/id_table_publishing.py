@@ -1,84 +1,117 @@
-"""``IdTablePublishing``: what publishing and serving read of an :class:`~recsdk.embedding.IdTable`.
+"""``IdTablePublishing``: what an :class:`~recsdk.embedding.IdTable` tells the versions published
+to serving.
 
-Its :class:`~recsdk.embedding.RowChangeTracker` (which rows changed and which ids left since the
-last published version), the ids held at given rows, and its FBGEMM hash index as the serving
-module's TorchScript lookup reads it. A mixin of ``IdTable``: it reads the table's own arrays;
-nothing outside the table does.
+It owns the table's :class:`~recsdk.embedding.RowChangeTracker` (which rows changed and which
+ids left since the last published version; None until tracking starts), passes it the table's
+placements and frees, and makes a version's snapshot and commit from the tracker's rows and the
+ids the table's :class:`~recsdk.embedding.row_allocator.RowAllocator` holds at them. A part of
+``IdTable``: the table calls it under its caller's lock.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from recsdk.embedding.change_tracker import RowChangeTracker
-from recsdk.embedding.id_table_state import _OCCUPIED
-from recsdk.embedding.slot_index import FbgemmSlotIndex
-
-if TYPE_CHECKING:
-    from recsdk.embedding.slot_index import TorchSlotIndex
+from recsdk.embedding.change_tracker import ChangeSnapshot, RowChangeTracker
+from recsdk.embedding.row_allocator import RowAllocator
 
 __all__ = ["IdTablePublishing"]
 
+_EMPTY = torch.zeros(0, dtype=torch.int64)
+
 
 class IdTablePublishing:
-    """Change tracking and read access for publishing and serving (a mixin of :class:`~recsdk.embedding.IdTable`)."""
+    """Change tracking, snapshots and commits of one id table's published versions.
 
-    if TYPE_CHECKING:  # the table's arrays and helpers this mixin reads (defined by IdTable)
-        _name: str
-        _capacity: int
-        _device: torch.device
-        _changes: RowChangeTracker | None
-        _row_id: torch.Tensor
-        _row_state: torch.Tensor
-        _index: TorchSlotIndex | FbgemmSlotIndex
+    Args:
+        rows (RowAllocator): the table's rows (read: their ids).
+        capacity (int): the table's rows.
+        device (torch.device): the table's device.
 
-        @property
-        def index_kind(self) -> str: ...
-        def _check_usable(self) -> None: ...
+    Example::
+
+        publishing.track()
+        snap = publishing.snapshot(full=False, exclude=owed_rows, find=table.find)
+        publishing.commit(snap, token="9f3a...")
+    """
+
+    def __init__(self, rows: RowAllocator, capacity: int, device: torch.device) -> None:
+        self._rows = rows
+        self._capacity = capacity
+        self._device = device
+        self._tracker: RowChangeTracker | None = None
 
     @property
-    def changes(self) -> RowChangeTracker | None:
-        """The tracker of changed rows and departed ids (None until :meth:`track_changes`)."""
-        return self._changes
+    def tracker(self) -> RowChangeTracker | None:
+        """The tracker (None until :meth:`track`)."""
+        return self._tracker
 
-    def track_changes(self) -> RowChangeTracker:
-        """Track which rows change and which ids leave from now on, for versions published to
-        serving (:class:`~recsdk.embedding.change_tracker.RowChangeTracker`); idempotent.
+    def track(self) -> RowChangeTracker:
+        """Start tracking (idempotent); returns the tracker."""
+        if self._tracker is None:
+            self._tracker = RowChangeTracker(self._capacity, self._device)
+        return self._tracker
 
-        The table stamps the rows it places ids in and frees; whoever trains the rows stamps those
-        (``table.changes.changed(rows)``). Replacing the table's state (:meth:`load_state_dict`,
-        :meth:`rebuild`) resets the tracker.
+    # ------------------------------------------------------------------ told by the table
 
-        Returns:
-            RowChangeTracker: the table's tracker.
-        """
-        self._check_usable()
-        if self._changes is None:
-            self._changes = RowChangeTracker(self._capacity, self._device)
-        return self._changes
+    def placed(self, rows: torch.Tensor) -> None:
+        """Rows just given to new ids."""
+        if self._tracker is not None:
+            self._tracker.placed(rows)
 
-    def occupants(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids stored at ``rows`` and which of the rows hold one.
+    def freed(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Distinct rows whose ids (same order) just left the table."""
+        if self._tracker is not None:
+            self._tracker.freed(rows, ids)
+
+    def reset(self) -> None:
+        """The rows' ids were replaced wholesale: the next version is full."""
+        if self._tracker is not None:
+            self._tracker.reset()
+
+    # ------------------------------------------------------------------ versions
+
+    def snapshot(
+        self, *, full: bool, exclude: torch.Tensor | None, find: Callable[[torch.Tensor], torch.Tensor]
+    ) -> ChangeSnapshot:
+        """What the table's next version holds; changes nothing but the tracker's epoch (tracking
+        starts first if it had not).
 
         Args:
-            rows (torch.Tensor): int64 ``[n]`` rows in ``[0, capacity)``.
+            full (bool): every id (a full version), or only the changes since the last commit.
+            exclude (torch.Tensor | None): rows owed a reset: their ids are left out (and stay
+                changed for the next version).
+            find (Callable): the table's lookup of ids (rows, ``-1`` where absent; reads only).
 
         Returns:
-            tuple[torch.Tensor, torch.Tensor]: int64 ``ids [n]`` (meaningless where not occupied)
-            and bool ``occupied [n]``.
+            ChangeSnapshot: ids and rows ascending by row, the deleted ids ascending.
         """
-        self._check_usable()
-        return self._row_id.index_select(0, rows), self._row_state.index_select(0, rows) == _OCCUPIED
+        tracker = self.track()
+        excluded = _EMPTY.to(self._device) if exclude is None else exclude.to(self._device, torch.int64).unique()
+        if full:
+            ids, rows = self._rows.ids_and_rows()
+        else:
+            rows = tracker.changed_rows()
+            ids, occupied = self._rows.occupants(rows)
+            ids, rows = ids[occupied], rows[occupied]
+        if excluded.numel():
+            keep = ~torch.isin(rows, excluded)
+            ids, rows = ids[keep], rows[keep]
+        left_taken = tracker.num_departed
+        deleted = _EMPTY.to(self._device)
+        if not full and left_taken:
+            gone = tracker.departed(left_taken)
+            now = find(gone)
+            back = now >= 0
+            if excluded.numel():
+                back &= ~torch.isin(now, excluded)
+            deleted = gone[~back]
+        return ChangeSnapshot(full, ids, rows, deleted, tracker.close_epoch(), left_taken, excluded)
 
-    def index_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The hash index as FBGEMM's ``pruned_hashmap_lookup`` reads it, for a lookup outside Python
-        (a serving module under TorchScript): see :meth:`FbgemmSlotIndex.kernel_state`.
-
-        Raises:
-            RuntimeError: the table's index is not FBGEMM's (not on CPU, or FBGEMM not loaded).
-        """
-        if not isinstance(self._index, FbgemmSlotIndex):
-            raise RuntimeError(f"IdTable '{self._name}': its index is {self.index_kind!r}, not FBGEMM's (CPU)")
-        return self._index.kernel_state()
+    def commit(self, snap: ChangeSnapshot, token: str) -> None:
+        """The version holding ``snap`` is published as ``token``. Ids of ``snap`` whose rows changed
+        hands since the snapshot count as departed (the next version deletes them)."""
+        ids_now, occupied = self._rows.occupants(snap.rows)
+        self.track().published(snap, occupied & (ids_now == snap.ids), token)

@@ -166,6 +166,28 @@ class IdTableScores:
         """Stored values as scores at ``step`` (float64)."""
         return stored.double() / (SCORE_ONE * self.step_units(step).scale)
 
+    @property
+    def per_row(self) -> bool:
+        """Whether the scores of ids with a row are kept (score eviction)."""
+        return self.rows is not None
+
+    def of(self, ids: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The scores at ``step`` (float64 ``[n]``) of int64 ``ids [n]`` whose rows are ``rows [n]``
+        (``-1``: none): a row's score (with score eviction), else the sketch's estimate (with score
+        admission; an upper bound), else 0. Reads only."""
+        stored = torch.zeros(ids.numel(), dtype=torch.int64, device=self._device)
+        has_row = rows >= 0
+        if self.rows is not None:
+            stored[has_row] = self.rows[rows[has_row]]
+        if self.sketch is not None and bool((~has_row).any()):
+            stored[~has_row] = self.sketch.estimate(self.sketch.positions(ids[~has_row]))
+        return self.true_scores(stored, step)
+
+    def of_rows(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The scores at ``step`` (float64) of the ids at ``rows`` (score eviction). Reads only."""
+        assert self.rows is not None
+        return self.true_scores(self.rows[rows], step)
+
     def reset(self) -> None:
         """Forget every score (a fresh table)."""
         if self.sketch is not None:
