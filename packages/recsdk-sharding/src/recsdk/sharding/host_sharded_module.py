@@ -110,7 +110,7 @@ class HostShardedModule:
         with self._shards.stage.lock:
             owed = self._shards.ledger.owed_resets()
             return {
-                name: table.track_changes().snapshot(table, full=full, exclude=owed.get(name))
+                name: table.snapshot_changes(full=full, exclude=owed.get(name))
                 for name, table in self.id_tables.items()
             }
 
@@ -119,7 +119,7 @@ class HostShardedModule:
         with self._shards.stage.lock:
             for name, snap in snapshots.items():
                 table = self.id_tables[name]
-                table.track_changes().commit(table, snap, token)
+                table.commit_changes(snap, token)
 
     def staging_views(self, table: str) -> TableViews:
         """New tensors shaped as ``table_views()[table]``, for a checkpoint load to read into
