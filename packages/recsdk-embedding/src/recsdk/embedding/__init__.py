@@ -24,15 +24,8 @@ from recsdk.embedding.policies import (
     ShowClickScore,
     TTLEviction,
 )
-from recsdk.embedding.publication import (
-    PublicationError,
-    PublishedTable,
-    PublishedVersion,
-    latest_version,
-    list_versions,
-    read_version,
-    replay,
-)
+from recsdk.embedding.publication import PublicationError, latest_version, list_versions
+from recsdk.embedding.publication_reader import PublishedTable, PublishedVersion, read_version, replay
 from recsdk.embedding.row_init import init_rows_, reset_optimizer_rows_
 
 __all__ = [

@@ -1,8 +1,11 @@
 """The publication format: versions of a model's hash tables and dense part, for serving.
 
 A publisher (:class:`recsdk.sharding.Publisher`) writes one directory per version under a root;
-a consumer (a serving process) reads them with :func:`read_version` and rebuilds any version with
-:func:`replay`. Data only: safetensors files and JSON, nothing a reader has to execute.
+a consumer (a serving process) reads them with :func:`~recsdk.embedding.publication_reader.read_version`
+and rebuilds any version with :func:`~recsdk.embedding.publication_reader.replay`. Data only:
+safetensors files and JSON, nothing a reader has to execute. This module is the format: the
+layout, the manifest (:func:`build_manifest` writes it, :func:`read_manifest` reads and checks
+it), the row encodings, and what a model is compared on.
 
 Layout of a version::
 
@@ -25,8 +28,10 @@ A chain of trust: the manifest records the CRC-32 of its own content (``manifest
 (``parent_manifest_crc32``), so every file a server applies is covered by a checksum reached
 from the full version it started from. :func:`read_manifest` refuses a manifest whose checksum,
 version (its directory's name), kind and parent disagree, whose files' paths leave the version
-directory, or that is reached through a symbolic link; :func:`read_version` refuses a data file
-reached through one; :func:`check_parent` checks a delta against the version it is applied on.
+directory, or that is reached through a symbolic link; the reader checks every data file's size and
+CRC-32 and refuses one reached through a link
+(:func:`~recsdk.embedding.file_checksum.verify_files`); :func:`check_parent` checks a delta
+against the version it is applied on.
 """
 
 from __future__ import annotations
@@ -36,21 +41,18 @@ import json
 import os
 import re
 import stat
+import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from recsdk.embedding.file_checksum import checksum
 
 __all__ = [
     "PUBLICATION_FORMAT",
     "PUBLICATION_MANIFEST",
     "PublicationError",
-    "PublishedTable",
-    "PublishedVersion",
+    "build_manifest",
     "check_parent",
     "decode_rows",
     "describe_table",
@@ -61,8 +63,6 @@ __all__ = [
     "list_versions",
     "manifest_checksum",
     "read_manifest",
-    "read_version",
-    "replay",
     "table_file",
     "version_path",
 ]
@@ -136,6 +136,90 @@ def latest_version(root: str | os.PathLike[str]) -> int | None:
     """The newest complete version under ``root``, or None."""
     versions = list_versions(root)
     return versions[-1] if versions else None
+
+
+def build_manifest(
+    *,
+    version: int,
+    step: int,
+    token: str,
+    dtype: str,
+    world_size: int,
+    tables: Mapping[str, Mapping[str, Any]],
+    written: Mapping[str, Mapping[str, Any]],
+    dense: Mapping[str, torch.Tensor],
+    files: Mapping[str, Mapping[str, int]],
+    parent_manifest_crc32: int | None,
+) -> dict[str, Any]:
+    """A version's manifest, as :func:`read_manifest` reads it back: with its own CRC-32.
+
+    Args:
+        version (int): the version's number (its directory's name).
+        step (int): the training step it was published at.
+        token (str): the publisher's token for this version (what a delta's tables went out in).
+        dtype (str): the rows' dtype, a key of :data:`ROW_DTYPES`.
+        world_size (int): the ranks that wrote it.
+        tables (Mapping): per table name, what :func:`describe_table` gives.
+        written (Mapping): per table name, what the ranks wrote of it: ``files`` (every rank's
+            files, each a :func:`table_file` path), ``upserted`` and ``deleted`` (id counts).
+        dense (Mapping[str, torch.Tensor]): the dense part, by state_dict name (its shapes and
+            dtypes are recorded; the tensors are in :data:`DENSE_FILE`).
+        files (Mapping): ``{path: {"size": bytes, "crc32": checksum}}`` of every file of the version.
+        parent_manifest_crc32 (int | None): a delta's parent's manifest's CRC-32 (``parent`` is
+            ``version - 1``); None for a full version.
+
+    Returns:
+        dict: the manifest, ``manifest_crc32`` included.
+
+    Raises:
+        ValueError: a table without its ``written`` part, a ``dtype`` the format does not
+            have, or a delta of version 0.
+
+    Example::
+
+        manifest = build_manifest(version=3, step=900, token=token, dtype="float16", world_size=2,
+                                  tables=descriptions, written=written, dense=dense, files=records,
+                                  parent_manifest_crc32=read_manifest(root, 2)["manifest_crc32"])
+    """
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(ROW_DTYPES)}, got {dtype!r}")
+    missing = sorted(set(tables) - set(written))
+    if missing:
+        raise ValueError(f"written has no part for the tables {missing}; every table of tables needs one")
+    full = parent_manifest_crc32 is None
+    if not full and version < 1:
+        raise ValueError(f"version {version} cannot be a delta (parent_manifest_crc32 given): it has no parent")
+    manifest: dict[str, Any] = {
+        "format": PUBLICATION_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": version,
+        "parent": None if full else version - 1,
+        "parent_manifest_crc32": parent_manifest_crc32,
+        "kind": "full" if full else "delta",
+        "step": step,
+        "token": token,
+        "created_unix": time.time(),
+        "world_size": world_size,
+        "dtype": dtype,
+        "tables": {
+            name: {
+                **description,
+                "upserted": int(written[name]["upserted"]),
+                "deleted": int(written[name]["deleted"]),
+                "files": sorted(written[name]["files"]),
+            }
+            for name, description in tables.items()
+        },
+        "dense": {
+            "file": DENSE_FILE,
+            "tensors": {
+                k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in dense.items()
+            },
+        },
+        "files": dict(sorted(files.items())),
+    }
+    manifest["manifest_crc32"] = manifest_checksum(manifest)
+    return manifest
 
 
 def read_manifest(root: str | os.PathLike[str], version: int) -> dict[str, Any]:
@@ -333,200 +417,3 @@ def decode_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     if rows.dtype != torch.uint8:
         return rows.float()
     return rows.float() * tensors["scale"].float().unsqueeze(1) + tensors["bias"].float().unsqueeze(1)
-
-
-@dataclass
-class PublishedTable:
-    """One table of a version (every rank's file together).
-
-    Attributes:
-        ids (torch.Tensor): int64 ``[n]`` ids written, ascending.
-        rows (dict[str, torch.Tensor]): their rows as stored (``rows``; for uint8 also ``scale``, ``bias``).
-        deleted (torch.Tensor): int64 ``[m]`` ids deleted (a delta), ascending.
-    """
-
-    ids: torch.Tensor
-    rows: dict[str, torch.Tensor]
-    deleted: torch.Tensor
-
-    def embeddings(self) -> torch.Tensor:
-        """Float32 ``[n, dim]`` rows (dequantized for uint8)."""
-        return decode_rows(self.rows)
-
-
-@dataclass
-class PublishedVersion:
-    """A version as :func:`read_version` read it.
-
-    Attributes:
-        version (int): its number.
-        parent (int | None): the version a delta applies on top of (None for a full version).
-        kind (str): ``"full"`` or ``"delta"``.
-        step (int): the training step it was published at.
-        dtype (str): the rows' dtype (``"float32"``, ``"float16"``, ``"uint8"``).
-        tables (dict[str, PublishedTable]): per table name.
-        dense (dict[str, torch.Tensor]): the dense part, by the unsharded model's state_dict names.
-        manifest (dict): the manifest as written.
-    """
-
-    version: int
-    parent: int | None
-    kind: str
-    step: int
-    dtype: str
-    tables: dict[str, PublishedTable]
-    dense: dict[str, torch.Tensor]
-    manifest: dict[str, Any] = field(repr=False)
-
-
-def read_version(root: str | os.PathLike[str], version: int | None = None, *, verify: bool = True) -> PublishedVersion:
-    """Read one version: its tables (every rank's file merged) and dense part.
-
-    Args:
-        root (str | os.PathLike): the publisher's root.
-        version (int | None): the version; None: the latest complete one.
-        verify (bool): check every file's size and CRC-32 against the manifest first.
-
-    Returns:
-        PublishedVersion: the version.
-
-    Raises:
-        PublicationError: the version is not complete, or a file is missing, of another size,
-            or damaged (naming the file).
-
-    Example::
-
-        v = read_version("publish/")
-        v.tables["user"].ids, v.tables["user"].embeddings(), v.tables["user"].deleted
-    """
-    if version is None:
-        version = latest_version(root)
-        if version is None:
-            raise PublicationError(f"no complete version under {os.fspath(root)!r}")
-    manifest = read_manifest(root, version)
-    directory = version_path(root, version)
-    files = manifest["files"]
-    if verify:
-        _verify(directory, files)
-    tables: dict[str, PublishedTable] = {}
-    for name, info in manifest["tables"].items():
-        parts = [_load(os.path.join(directory, f)) for f in info["files"]]
-        tables[name] = _merge(parts, int(info["embedding_dim"]), manifest["dtype"])
-    dense = _load(os.path.join(directory, manifest["dense"]["file"]))
-    return PublishedVersion(
-        version=int(manifest["version"]),
-        parent=manifest["parent"],
-        kind=manifest["kind"],
-        step=int(manifest["step"]),
-        dtype=manifest["dtype"],
-        tables=tables,
-        dense=dense,
-        manifest=manifest,
-    )
-
-
-def replay(root: str | os.PathLike[str], version: int | None = None) -> PublishedVersion:
-    """The state at ``version`` rebuilt as a consumer does: the latest full version at or before it,
-    then each delta after it in order. A delta applies only on top of its parent.
-
-    Args:
-        root (str | os.PathLike): the publisher's root.
-        version (int | None): the version to rebuild; None: the latest.
-
-    Returns:
-        PublishedVersion: a full version's content (kind ``"full"``, ``deleted`` empty) with the
-        dense part and step of ``version``.
-
-    Raises:
-        PublicationError: no full version at or before ``version``, a missing version in the
-            chain (named), or a damaged file.
-    """
-    versions = list_versions(root)
-    if version is None:
-        if not versions:
-            raise PublicationError(f"no complete version under {os.fspath(root)!r}")
-        version = versions[-1]
-    fulls = full_versions(root, [v for v in versions if v <= version])
-    if not fulls:
-        raise PublicationError(f"no full version at or before {version} under {os.fspath(root)!r}")
-    state = read_version(root, fulls[-1])
-    for v in range(fulls[-1] + 1, version + 1):
-        if v not in versions:
-            raise PublicationError(f"version {v} is missing under {os.fspath(root)!r}: cannot rebuild {version}")
-        delta = read_version(root, v)
-        problem = check_parent(delta.manifest, state.manifest)
-        if problem:
-            raise PublicationError(problem)
-        state = PublishedVersion(
-            version=v,
-            parent=None,
-            kind="full",
-            step=delta.step,
-            dtype=delta.dtype,
-            tables={name: apply_delta(state.tables[name], t) for name, t in delta.tables.items()},
-            dense=delta.dense,
-            manifest=delta.manifest,
-        )
-    return state
-
-
-def apply_delta(base: PublishedTable, delta: PublishedTable) -> PublishedTable:
-    """``base`` with ``delta``'s deleted ids dropped and its ids' rows written (ids ascending)."""
-    drop = torch.cat([delta.deleted, delta.ids])
-    keep = ~torch.isin(base.ids, drop)
-    ids = torch.cat([base.ids[keep], delta.ids])
-    order = torch.argsort(ids)
-    rows = {k: torch.cat([v[keep], delta.rows[k]])[order] for k, v in base.rows.items()}
-    return PublishedTable(ids[order], rows, torch.zeros(0, dtype=torch.int64))
-
-
-def _load(path: str) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors: data only, nothing in it runs (a pickle is refused)."""
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except Exception as e:  # SafetensorError and the like: not the format's data file
-        raise PublicationError(f"{path!r} is not a safetensors data file ({e}); nothing was loaded") from e
-
-
-def _merge(parts: list[dict[str, torch.Tensor]], dim: int, dtype: str) -> PublishedTable:
-    empty = encode_rows(torch.zeros(0, dim), dtype)
-    if not parts:
-        return PublishedTable(torch.zeros(0, dtype=torch.int64), empty, torch.zeros(0, dtype=torch.int64))
-    ids = torch.cat([p["ids"] for p in parts])
-    order = torch.argsort(ids)
-    rows = {k: torch.cat([p[k] for p in parts])[order] for k in empty}
-    deleted = torch.cat([p["deleted"] for p in parts]).sort().values
-    return PublishedTable(ids[order], rows, deleted)
-
-
-def _verify(directory: str, files: dict[str, dict[str, int]]) -> None:
-    problems = []
-    for name in sorted(files):
-        path = os.path.join(directory, name)
-        try:
-            link = _symlink_on(directory, name)
-            if link is not None:
-                problems.append(f"{link!r} is a symbolic link (refused: a publication's files are real files)")
-                continue
-            size = os.stat(path).st_size
-        except OSError as e:
-            problems.append(f"{path!r} cannot be read: {e.strerror or e}")
-            continue
-        if size != int(files[name]["size"]):
-            problems.append(f"{path!r} has {size} bytes, the manifest recorded {files[name]['size']}")
-        elif checksum(path) != int(files[name]["crc32"]):
-            problems.append(f"{path!r} has another CRC-32 than the manifest recorded (damaged)")
-    if problems:
-        raise PublicationError(f"version {directory!r} is damaged: " + "; ".join(problems))
-
-
-def _symlink_on(directory: str, name: str) -> str | None:
-    """The first symbolic link on the way from ``directory`` to its file ``name``, or None."""
-    path = directory
-    for part in name.split("/"):
-        path = os.path.join(path, part)
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            return path
-    return None

@@ -5,7 +5,7 @@ id-to-row mapping in each shard's id table); the device does the lookups with To
 fused kernels and the pooled output dist over the default group.
 """
 
-from recsdk.embedding.publication import read_version
+from recsdk.embedding import read_version
 from recsdk.sharding.checkpoint import (
     CHECKPOINT_MANIFEST,
     AsyncCheckpointer,

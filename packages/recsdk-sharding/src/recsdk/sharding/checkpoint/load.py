@@ -160,9 +160,9 @@ def _check(
     """Step 1: the files, then the checkpoint against the model. Reads only the manifest and metadata."""
     manifest = read_manifest(path)
     recorded: dict[str, dict[str, int]] = manifest.get("files", {})
-    files.verify_sizes(path, recorded)
+    files.verify(path, recorded, checksums=False)
     if verify and _DCP_METADATA in recorded:  # small, and unpickled right away
-        files.verify_checksums(path, recorded, [_DCP_METADATA])
+        files.verify(path, recorded, [_DCP_METADATA], checksums=True)
     reader_md = storage.read_metadata(path).state_dict_metadata
     problems, loads = plan_load(model, optimizer, modules, manifest, reader_md, rank, world)
     if problems:

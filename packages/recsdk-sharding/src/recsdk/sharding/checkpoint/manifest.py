@@ -24,7 +24,7 @@ from typing import Any
 
 from recsdk.sharding.checkpoint.layout import layouts
 from recsdk.sharding.writing.atomic_directory import PARTIAL
-from recsdk.sharding.writing.files import verify_sizes
+from recsdk.sharding.writing.files import verify
 from recsdk.sharding.writing.hash_modules import HashModule
 
 __all__ = [
@@ -172,7 +172,7 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> str | None:
         candidate = os.path.join(root, name)
         try:
             manifest = read_manifest(candidate)
-            verify_sizes(candidate, manifest.get("files", {}))
+            verify(candidate, manifest.get("files", {}), checksums=False)
         except (OSError, ValueError):
             continue
         key = (int(manifest.get("created_unix_ns", 0)), name)

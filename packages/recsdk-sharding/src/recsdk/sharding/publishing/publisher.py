@@ -12,9 +12,10 @@ Every :meth:`Publisher.publish` writes the next version under the root (the form
    (:meth:`~recsdk.sharding.HostShardedModule.change_snapshots`), so a pipeline's host thread
    keeps mapping meanwhile; training is between steps, so the rows do not change;
 3. each rank writes its table files into the version's partial directory (rank 0 also the dense
-   part), checksums them, and rank 0 writes the manifest last (with the CRC-32 of its own
-   content and, for a delta, its parent's manifest's) and renames the directory
-   (the checkpoint code's :func:`~recsdk.sharding.writing.atomic_directory.write_directory`);
+   part), checksums them, and rank 0 writes the manifest last (built by the format's
+   :func:`~recsdk.embedding.publication.build_manifest`: with the CRC-32 of its own content and,
+   for a delta, its parent's manifest's) and renames the directory
+   (:func:`~recsdk.sharding.writing.atomic_directory.write_directory`, as checkpoints and exports);
 4. only then do the trackers commit (what the version held counts as published). A failure on
    any rank raises on every rank, removes the partial directory and commits nothing: the next
    version carries those changes.
@@ -39,15 +40,12 @@ from torch import nn
 
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.embedding.publication import (
-    DENSE_FILE,
-    FORMAT_VERSION,
-    PUBLICATION_FORMAT,
     PUBLICATION_MANIFEST,
     PublicationError,
+    build_manifest,
     differences,
     full_versions,
     list_versions,
-    manifest_checksum,
     read_manifest,
     version_path,
 )
@@ -206,10 +204,18 @@ class Publisher:
                 for part in comm.gather(comm.run(files.describe, tmp, written["files"]))
                 for name, r in part.items()
             }
-            manifest = self._manifest(version, full, step, plan["new_token"], everyone, dense, records, comm.world)
-            manifest["parent_manifest_crc32"] = None if full else plan["manifest_crc32"]
-            manifest["manifest_crc32"] = manifest_checksum(manifest)
-            return manifest
+            return build_manifest(
+                version=version,
+                step=step,
+                token=plan["new_token"],
+                dtype=self.dtype,
+                world_size=comm.world,
+                tables=self._tables,
+                written=_tables_written(everyone, self._tables),
+                dense=dense,
+                files=records,
+                parent_manifest_crc32=None if full else plan["manifest_crc32"],
+            )
 
         manifest = write_directory(version_path(self.root, version), comm, "publication", PUBLICATION_MANIFEST, fill)
         for fqn, module in self._modules.items():
@@ -273,59 +279,22 @@ class Publisher:
     def _write(
         self, tmp: str, snapshots: dict[str, dict[str, ChangeSnapshot]], dense: dict[str, torch.Tensor], rank: int
     ) -> dict[str, Any]:
-        """This rank's files of the version; their names and counts per table."""
+        """This rank's files of the version: every file's name, and per table its file and counts."""
         names: list[str] = []
-        counts: dict[str, tuple[int, int]] = {}
+        tables: dict[str, dict[str, Any]] = {}
         for fqn, module in self._modules.items():
             for table, snap in snapshots[fqn].items():
                 weights = module.read_rows(table, snap.rows)
-                names.append(write_table(tmp, table, rank, snap, weights, self.dtype))
-                counts[table] = (int(snap.ids.numel()), int(snap.deleted.numel()))
+                name = write_table(tmp, table, rank, snap, weights, self.dtype)
+                names.append(name)
+                tables[table] = {
+                    "files": [name],
+                    "upserted": int(snap.ids.numel()),
+                    "deleted": int(snap.deleted.numel()),
+                }
         if rank == 0:
             names.append(write_dense(tmp, dense))
-        return {"files": names, "counts": counts}
-
-    def _manifest(
-        self,
-        version: int,
-        full: bool,
-        step: int,
-        token: str,
-        everyone: list[dict[str, Any]],
-        dense: dict[str, torch.Tensor],
-        records: dict[str, dict[str, int]],
-        world: int,
-    ) -> dict[str, Any]:
-        tables: dict[str, dict[str, Any]] = {}
-        for name, description in self._tables.items():
-            table_files = sorted({f for w in everyone for f in w["files"] if f.startswith(f"tables/{name}/")})
-            counts = [w["counts"][name] for w in everyone if name in w["counts"]]
-            tables[name] = {
-                **description,
-                "upserted": sum(c[0] for c in counts),
-                "deleted": sum(c[1] for c in counts),
-                "files": table_files,
-            }
-        return {
-            "format": PUBLICATION_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "version": version,
-            "parent": None if full else version - 1,
-            "kind": "full" if full else "delta",
-            "step": step,
-            "token": token,
-            "created_unix": time.time(),
-            "world_size": world,
-            "dtype": self.dtype,
-            "tables": tables,
-            "dense": {
-                "file": DENSE_FILE,
-                "tensors": {
-                    k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in dense.items()
-                },
-            },
-            "files": dict(sorted(records.items())),
-        }
+        return {"files": names, "tables": tables}
 
     def _retire(self) -> None:
         """Rank 0, after publishing: remove the versions retention no longer keeps (best effort,
@@ -348,3 +317,15 @@ class Publisher:
             except OSError:
                 continue
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _tables_written(everyone: list[dict[str, Any]], tables: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per table, what every rank wrote of it (``_write``'s parts together): its files, and the
+    ids upserted and deleted summed (a rank holding no shard of the table wrote nothing)."""
+    out: dict[str, dict[str, Any]] = {name: {"files": [], "upserted": 0, "deleted": 0} for name in tables}
+    for part in everyone:
+        for name, w in part["tables"].items():
+            out[name]["files"] += w["files"]
+            out[name]["upserted"] += w["upserted"]
+            out[name]["deleted"] += w["deleted"]
+    return out

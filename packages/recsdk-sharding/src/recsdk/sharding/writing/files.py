@@ -1,10 +1,12 @@
-"""The files of a checkpoint: their sizes and CRC-32 checksums, recorded at save, checked at load.
+"""The files of a written directory: their sizes and CRC-32 checksums, recorded at a write, checked at a load.
 
-The manifest lists every file of the directory (DCP's ``.metadata`` and data files) with its
-size in bytes and its CRC-32 (``zlib.crc32``, as an unsigned int). Sizes are checked on every
-load and by :func:`~recsdk.sharding.latest_checkpoint` (a ``stat`` per file); checksums read
-every byte, so the ranks share the work: file ``i`` of the sorted list goes to rank
-``i % world_size``, at save and at load alike.
+A checkpoint's or a publication's manifest lists every file of the directory (a checkpoint's:
+DCP's ``.metadata`` and data files) with its size in bytes and its CRC-32 (``zlib.crc32``, as an
+unsigned int): :func:`describe`. A checkpoint's sizes are checked on every load and by
+:func:`~recsdk.sharding.latest_checkpoint` (a ``stat`` per file); checksums read every byte, so
+the ranks share the work: file ``i`` of the sorted list goes to rank ``i % world_size``, at save
+and at load alike. The check itself is :func:`~recsdk.embedding.file_checksum.verify_files`,
+the one publications' readers use.
 """
 
 from __future__ import annotations
@@ -14,17 +16,15 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from recsdk.embedding.file_checksum import checksum
+from recsdk.embedding.file_checksum import checksum, verify_files
 from recsdk.sharding.writing.errors import CheckpointError
 
 __all__ = [
     "BackgroundChecksums",
-    "checksum",
     "data_files",
     "describe",
     "my_share",
-    "verify_checksums",
-    "verify_sizes",
+    "verify",
 ]
 
 
@@ -51,53 +51,29 @@ def describe(directory: str, names: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def verify_sizes(directory: str, files: Mapping[str, Mapping[str, Any]]) -> None:
-    """Check that every file the manifest lists exists with its recorded size.
+def verify(
+    directory: str, files: Mapping[str, Mapping[str, Any]], names: list[str] | None = None, *, checksums: bool
+) -> None:
+    """Check a checkpoint's files against its manifest (:func:`~recsdk.embedding.file_checksum.verify_files`,
+    the check publications use too).
+
+    Args:
+        directory (str): the checkpoint.
+        files (Mapping): the manifest's ``files``.
+        names (list[str] | None): the files to check; None: every file the manifest lists.
+        checksums (bool): also compare CRC-32s (every byte read); False: links, presence and sizes.
 
     Raises:
-        CheckpointError: naming each missing file and each file of another size.
+        CheckpointError: naming each missing file, each of another size, each reached through a
+            symbolic link and (with ``checksums``) each whose bytes differ from those saved.
     """
-    problems = []
-    for name in sorted(files):
-        path = os.path.join(directory, name)
-        want = int(files[name]["size"])
-        try:
-            have = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(f"{path!r} is missing")
-            continue
-        except OSError as e:
-            problems.append(f"{path!r} cannot be read: {e.strerror or e}")
-            continue
-        if have != want:
-            problems.append(f"{path!r} has {have} bytes, the manifest recorded {want} (truncated or overwritten?)")
-    if problems:
-        raise CheckpointError(_damaged(directory, problems))
-
-
-def verify_checksums(directory: str, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> None:
-    """Check the CRC-32 of the files ``names`` against the manifest's.
-
-    Raises:
-        CheckpointError: naming each file whose bytes differ from those saved.
-    """
-    problems = []
-    for name in names:
-        path = os.path.join(directory, name)
-        want = int(files[name]["crc32"])
-        try:
-            have = checksum(path)
-        except OSError as e:
-            problems.append(f"{path!r} cannot be read: {e.strerror or e}")
-            continue
-        if have != want:
-            problems.append(f"{path!r} has CRC-32 {have:#010x}, the manifest recorded {want:#010x} (damaged)")
+    problems = verify_files(directory, files, names, checksums=checksums)
     if problems:
         raise CheckpointError(_damaged(directory, problems))
 
 
 class BackgroundChecksums:
-    """:func:`verify_checksums` on a thread, so that a load checks the files while it reads them.
+    """:func:`verify` with checksums on a thread, so that a load checks the files while it reads them.
 
     ``zlib.crc32`` and file reads release the GIL: on a host with a spare core the check costs
     little time. :meth:`result` waits for it and raises what it found.
@@ -117,7 +93,7 @@ class BackgroundChecksums:
 
     def _run(self, directory: str, files: Mapping[str, Mapping[str, Any]], names: list[str]) -> None:
         try:
-            verify_checksums(directory, files, names)
+            verify(directory, files, names, checksums=True)
         except Exception as e:
             self._error = e
 
