@@ -459,7 +459,8 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                     batch = self._tr_copy_to_device(batch)
             except Exception as e:  # the user's iterator (or the copy) failed
                 rewritten = bool(self._tr_pipelined_modules)
-                lane.steps.append(self._failing(self._host.read_failed, e, self._tr_new_context(), rewritten))
+                context = self._tr_new_context()
+                lane.steps.append(self._failing(self._host.read_failed, e, context, rewritten=rewritten))
                 return
             if batch is None:
                 lane.exhausted = True
@@ -467,10 +468,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             step = Step(batch=batch, context=self._tr_new_context())
             lane.steps.append(step)
             if not self._tr_pipelined_modules:
-                self._failing(self._host.read, step, False)
+                self._failing(self._host.read, step, rewritten=False)
                 self._bootstrap(step)
             else:
-                self._host.read(step, True)
+                self._host.read(step, rewritten=True)
         if lane.exhausted and not self._tr_execute_all_batches and len(lane.steps) < 1 + self._pipe_n_batch:
             raise StopIteration
 
@@ -500,10 +501,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         self._host.settle_read(step)
         self._inline.start(step)
 
-    def _failing(self, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)``; what it raises (a read or host stage that failed) stops the pipeline."""
+    def _failing(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)``; what it raises (a failed read or host stage) stops the pipeline."""
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         except BaseException as e:
             self._failure = e
             raise
