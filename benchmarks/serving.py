@@ -4,10 +4,17 @@ A model with ``--tables`` hash tables of ``--ids`` ids each (dim ``--dim``) is p
 real ``Publisher`` (one rank: a full version, then deltas of ``--delta-rows`` changed rows each),
 in fp32 and int8, and served in this process. One JSON line per measurement:
 
-- ``lookup``: per thread count (1, and all cores) and batch size (512 and 1 samples, ``--pooling``
-  ids per bag, Zipf), the serving collection's ids/s and latency p50/p99 on raw ids, against
-  TorchRec's ``EmbeddingBagCollection`` (fp32) and ``QuantEmbeddingBagCollection`` (int8) on the
-  same ids remapped offline to ``0..n-1``; ratio = ours / theirs in ids/s (target >= 0.8);
+- ``lookup``: per thread count (``torch.set_num_threads``: 1, and all cores) and batch size (512
+  and 1 samples, ``--pooling`` ids per bag, Zipf), the serving collection's ids/s and latency
+  p50/p99 on raw ids, against TorchRec's ``EmbeddingBagCollection`` (fp32) and
+  ``QuantEmbeddingBagCollection`` (int8) on the same ids remapped offline to ``0..n-1``; ratio =
+  ours / theirs in ids/s (target >= 0.8); ``lookup_groups``: the threads a forward split its
+  lookup over (``recsdk.serving.grouped_lookup``);
+- ``batch_check``: per thread count and dtype at batch 512, what ``check_batch`` costs: forwards
+  with it against the same forwards with it replaced by the bare ``asynchronous_complete_cumsum``
+  of the lengths (what a forward needs without the check), ``--check-rounds`` interleaved rounds;
+  ``cost_pct`` = (with / without - 1) * 100 from the medians of the rounds' mean forward times
+  (target < 3); and the check alone against the bare cumsum alone, in µs per call;
 - ``apply_delta``: ``ServingModel.refresh()`` of a delta of ``--delta-rows`` rows, its seconds,
   and the p99 latency of forwards (batch 512, another thread) while deltas apply against the
   p99 while none does (target <= 2x);
@@ -15,6 +22,7 @@ in fp32 and int8, and served in this process. One JSON line per measurement:
   at fp32 and int8, against the row's own bytes.
 
 Latencies are medians over ``--rounds`` interleaved rounds of ``--forwards`` forwards each.
+The dev machine has 2 cores, so a lookup splits over at most 2 threads there.
 
 No ``--device``: recsdk's serving collections run FBGEMM's CPU inference kernel (rows in host memory).
 
@@ -42,6 +50,8 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from recsdk.data import Batch
 from recsdk.data.testing import run_distributed
 from recsdk.serving import ServingModel
+from recsdk.serving import serving_collections as collections_module
+from recsdk.serving.grouped_lookup import feature_bounds
 from recsdk.sharding import Publisher, get_default_hybrid_sharders, sharded_hash_modules
 
 NUM_DENSE = 13
@@ -144,6 +154,8 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
         for batch_size in (512, 1):
             batches = _batches(args, ids, batch_size, args.forwards)
             ids_per_forward = args.tables * batch_size * args.pooling
+            first = batches[0][0]
+            groups = len(feature_bounds(first.offsets(), batch_size, args.tables, threads)) - 1
             for dtype, (ours, theirs, name) in pairs.items():
                 mine: list[list[float]] = []
                 base: list[list[float]] = []
@@ -160,6 +172,7 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
                     "threads": threads,
                     "batch_size": batch_size,
                     "ids_per_forward": ids_per_forward,
+                    "lookup_groups": groups,
                     "ids_per_s": ids_per_forward / ours_s,
                     "p50_ms": _p(flat_mine, 0.5) * 1e3,
                     "p99_ms": _p(flat_mine, 0.99) * 1e3,
@@ -170,6 +183,62 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
                     "ratio": theirs_s / ours_s,
                 }
                 print(json.dumps(line), flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def _offsets_only(features: KeyedJaggedTensor, feature_names: list[str], module: str, is_weighted: bool) -> Any:
+    """What a forward computes of its batch without ``check_batch``: the offsets, nothing checked."""
+    return torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths())
+
+
+def _mean_seconds(fn: Any, inputs: list[Any]) -> float:
+    with torch.no_grad():
+        start = time.perf_counter()
+        for x in inputs:
+            fn(x)
+        return (time.perf_counter() - start) / len(inputs)
+
+
+def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids: dict[str, torch.Tensor]) -> None:
+    """Forwards at batch 512 with ``check_batch`` and with it bypassed, interleaved round by round."""
+    checked = collections_module.check_batch
+    raw = [r for r, _ in _batches(args, ids, 512, args.forwards)]
+    features = feature_names(args.tables)
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        for dtype, serving in served.items():
+            collection = serving.model.ebc
+            with_check: list[float] = []
+            without: list[float] = []
+            check_alone: list[float] = []
+            cumsum_alone: list[float] = []
+            try:
+                for _ in range(args.check_rounds):  # interleaved: with, without, with, ...
+                    collections_module.check_batch = checked
+                    with_check.append(_mean_seconds(collection, raw))
+                    collections_module.check_batch = _offsets_only
+                    without.append(_mean_seconds(collection, raw))
+                    check_alone.append(_mean_seconds(lambda k: checked(k, features, "bench", False), raw))
+                    cumsum_alone.append(_mean_seconds(lambda k: _offsets_only(k, features, "bench", False), raw))
+            finally:
+                collections_module.check_batch = checked
+            ours, theirs = statistics.median(with_check), statistics.median(without)
+            line = {
+                "benchmark": "serving",
+                "measurement": "batch_check",
+                "rows": dtype,
+                "threads": threads,
+                "batch_size": 512,
+                "rounds": args.check_rounds,
+                "forward_ms": ours * 1e3,
+                "baseline": "the same forward without check_batch (the lengths' cumsum only)",
+                "baseline_forward_ms": theirs * 1e3,
+                "cost_pct": (ours / theirs - 1) * 100,
+                "check_us": statistics.median(check_alone) * 1e6,
+                "cumsum_us": statistics.median(cumsum_alone) * 1e6,
+                "ratio": theirs / ours,
+            }
+            print(json.dumps(line), flush=True)
     torch.set_num_threads(os.cpu_count() or 1)
 
 
@@ -261,6 +330,7 @@ def main() -> None:
     parser.add_argument("--delta-rows", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--forwards", type=int, default=200, help="forwards per round and case")
+    parser.add_argument("--check-rounds", type=int, default=15, help="interleaved rounds of the batch check's cost")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="recsdk-serving-bench-")
     try:
@@ -268,6 +338,7 @@ def main() -> None:
         ids = run_distributed(_publish, 1, args, roots, timeout_s=1800)[0]
         served = {dtype: ServingModel(_model(args, "cpu"), root) for dtype, root in roots.items()}
         _lookups(args, served, ids)
+        _batch_check(args, served, ids)
         _memory(args, served)
         del served
         source = roots["float32"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import PoolingType
@@ -17,16 +19,25 @@ from recsdk.embedding import (
 )
 from recsdk.embedding.publication import encode_rows
 from recsdk.serving import ServingEmbeddingBagCollection, ServingEmbeddingCollection
+from recsdk.serving import serving_collections as collections_module
+from recsdk.serving.grouped_lookup import feature_bounds
 
 EDGE_IDS = [-1, 0, 2**63 - 1, -(2**63)]
 
 
-def _version(kind: str, tables: dict[str, tuple[list[int], list[float], list[int]]], dtype: str) -> PublishedVersion:
-    """A version whose ids' rows are all ``value`` (one per id), 4 wide."""
+def _version(
+    kind: str,
+    tables: dict[str, tuple[list[int], list[float], list[int]]],
+    dtype: str,
+    dims: dict[str, int] | None = None,
+) -> PublishedVersion:
+    """A version whose ids' rows are all ``value`` (one per id), 4 wide (or ``dims[table]``)."""
     published = {
         name: PublishedTable(
             torch.tensor(ids, dtype=torch.int64),
-            encode_rows(torch.tensor(values).unsqueeze(1).expand(len(values), 4).contiguous(), dtype),
+            encode_rows(
+                torch.tensor(values).unsqueeze(1).expand(len(values), (dims or {}).get(name, 4)).contiguous(), dtype
+            ),
             torch.tensor(deleted, dtype=torch.int64),
         )
         for name, (ids, values, deleted) in tables.items()
@@ -147,19 +158,14 @@ def test_a_bad_batch_is_refused_naming_the_features_before_any_kernel(
         with pytest.raises(torch.jit.Error, match=f"ServingEmbeddingBagCollection: .*{match}"):
             torch.jit.script(serving)(kjt)
         return
-    monkeypatch.setattr(torch.ops.fbgemm, "pruned_hashmap_lookup", _no_kernel)
-    monkeypatch.setattr(serving, "tbe", _NoKernel())
+    # Every FBGEMM kernel of a forward runs inside lookup_in_groups.
+    monkeypatch.setattr(collections_module, "lookup_in_groups", _no_kernel)
     with pytest.raises(error, match=f"^ServingEmbeddingBagCollection: .*{match}"):
         serving(kjt)
 
 
 def _no_kernel(*args: object) -> None:
     raise AssertionError("a bad batch reached an FBGEMM kernel")
-
-
-class _NoKernel(torch.nn.Module):
-    def forward(self, *args: object) -> None:
-        _no_kernel()
 
 
 def test_weights_and_an_unpooled_batch_are_checked() -> None:
@@ -186,3 +192,97 @@ def test_weights_and_an_unpooled_batch_are_checked() -> None:
     unpooled.apply_version(_version("full", {"item": ([6], [6.0], [])}, "float32"))
     with pytest.raises(ValueError, match=r"^ServingEmbeddingCollection: negative lengths in features hist \(sample 0"):
         unpooled(_kjt(["hist"], [6], [-1, 2]))
+
+
+@pytest.fixture
+def three_threads() -> Iterator[None]:
+    """``torch.get_num_threads()`` is 3 for the test (a forward splits its lookup over as many)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _random_kjt(keys: list[str], batch: int, ids: list[int], gen: torch.Generator, weighted: bool) -> KeyedJaggedTensor:
+    """Up to 5 ids per bag, drawn from ``ids`` and from ids no table holds; empty bags too."""
+    lengths = torch.randint(0, 6, (len(keys) * batch,), generator=gen)
+    pool = torch.tensor([*ids, 10**12, -5], dtype=torch.int64)
+    values = pool[torch.randint(0, pool.numel(), (int(lengths.sum()),), generator=gen)]
+    weights = torch.rand(values.numel(), generator=gen) if weighted else None
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_lookup_split_over_threads_equals_one_lookup_bit_for_bit(
+    dtype: str, weighted: bool, three_threads: None
+) -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[
+            HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=64, feature_names=["f", "g"]),
+            HashEmbeddingBagConfig(
+                name="b", embedding_dim=8, num_embeddings=64, feature_names=["h"], pooling=PoolingType.MEAN
+            ),
+            HashEmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=64, feature_names=["k"]),
+        ],
+        is_weighted=weighted,
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, dtype)
+    gen = torch.Generator().manual_seed(0)
+    ids = [*EDGE_IDS, *range(1, 40)]  # -1 too: the tables holding it are fixed up per group
+    tables = {name: (ids, torch.rand(len(ids), generator=gen).tolist(), []) for name in ("a", "b", "c")}
+    serving.apply_version(_version("full", tables, dtype, {"b": 8}))
+    serving.script_threads = 3
+    scripted = torch.jit.script(serving)
+    for _ in range(5):
+        kjt = _random_kjt(["h", "f", "k", "g"], 16, ids, gen, weighted)  # permuted keys
+        serving.min_ids_per_group = 10**9
+        one = serving(kjt).values()
+        serving.min_ids_per_group = 1
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(kjt.permute([1, 3, 0, 2]).lengths())
+        assert len(feature_bounds(offsets, 16, 4, 3, 1)) == 4  # three groups
+        assert torch.equal(serving(kjt).values(), one)
+        scripted.min_ids_per_group = 1
+        assert torch.equal(scripted(kjt).values(), one)
+
+
+def test_an_unpooled_lookup_split_over_threads_equals_one_lookup(three_threads: None) -> None:
+    ec = HashEmbeddingCollection(
+        tables=[
+            HashEmbeddingConfig(name="item", embedding_dim=4, num_embeddings=64, feature_names=["hist", "cand"]),
+            HashEmbeddingConfig(name="user", embedding_dim=4, num_embeddings=64, feature_names=["user"]),
+        ],
+        device="meta",
+    )
+    serving = ServingEmbeddingCollection(ec, "float16")
+    gen = torch.Generator().manual_seed(1)
+    ids = [*EDGE_IDS, *range(1, 40)]
+    values = torch.rand(len(ids), generator=gen).tolist()
+    serving.apply_version(_version("full", {"item": (ids, values, []), "user": (ids, values, [])}, "float16"))
+    for _ in range(5):
+        kjt = _random_kjt(["hist", "cand", "user"], 16, ids, gen, False)
+        serving.min_ids_per_group = 10**9
+        one = serving(kjt)
+        serving.min_ids_per_group = 1
+        split = serving(kjt)
+        for feature, jt in one.items():
+            assert torch.equal(split[feature].values(), jt.values())
+            assert torch.equal(split[feature].lengths(), jt.lengths())
+
+
+def test_feature_bounds_cut_the_ids_into_even_groups() -> None:
+    def bounds(ids_per_feature: list[int], threads: int, min_ids: int) -> list[int]:
+        offsets = torch.tensor([0, *torch.tensor(ids_per_feature).cumsum(0).tolist()])  # batch of 1
+        return feature_bounds(offsets, 1, len(ids_per_feature), threads, min_ids)
+
+    assert bounds([100, 100, 100, 100], 2, 1) == [0, 2, 4]
+    assert bounds([300, 50, 50, 0], 2, 1) == [0, 1, 4]
+    assert bounds([300, 50, 50, 0], 3, 1) == [0, 1, 2, 4]
+    assert bounds([10, 10, 10, 370], 2, 1) == [0, 3, 4]
+    assert bounds([100, 100, 100, 100], 8, 1) == [0, 1, 2, 3, 4]  # at most a group per feature
+    assert bounds([100, 100, 100, 100], 2, 300) == [0, 4]  # too few ids for two groups
+    assert bounds([100, 100, 100, 100], 1, 1) == [0, 4]
+    assert bounds([400], 4, 1) == [0, 1]

@@ -69,10 +69,12 @@ def check_batch(features: KeyedJaggedTensor, feature_names: list[str], module: s
             f"{module}: the KJT of features {keys} has {lengths.numel()} lengths for {len(keys)} features x "
             f"batch {batch}; it needs one length per feature and sample ({len(keys) * batch})"
         )
-    if int(lengths.min()) < 0:
+    if lengths.dtype != torch.int64:
+        lengths = lengths.long()
+    if lengths.min().item() < 0:
         _raise_negative(lengths.view(len(keys), batch), keys, module)
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.long())
-    total = int(offsets[-1])
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    total = int(offsets[-1].item())
     if total != values.numel():
         per_key = lengths.view(len(keys), batch).long().sum(1)
         parts: list[str] = []

@@ -18,8 +18,6 @@ after applying versions). A forward checks its batch first
 (:func:`~recsdk.serving.batch_checks.check_batch`): the kernels trust their offsets.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +30,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, PublishedVersion
 from recsdk.serving.batch_checks import check_batch
+from recsdk.serving.grouped_lookup import (
+    MIN_IDS_PER_GROUP,
+    KernelView,
+    feature_bounds,
+    kernel_view,
+    lookup_in_groups,
+)
 from recsdk.serving.served_table import ServedTable
 
 __all__ = ["SPARSE_TYPES", "ServingEmbeddingBagCollection", "ServingEmbeddingCollection", "StagedVersion"]
@@ -41,7 +46,18 @@ SPARSE_TYPES = {"float32": SparseType.FP32, "float16": SparseType.FP16, "uint8":
 
 
 class _ServingCollection(nn.Module):
-    """What both collections share: the tables' ids, the kernel of their rows, applying versions."""
+    """What both collections share: the tables' ids, the kernel of their rows, applying versions.
+
+    Attributes:
+        script_threads (int): the most threads a forward of a TorchScript copy splits its lookup
+            over (set before scripting; an eager forward reads ``torch.get_num_threads()``).
+        min_ids_per_group (int): the fewest ids a thread looks up (a smaller batch is looked up
+            on the calling thread alone).
+    """
+
+    # What a forward reads of ``tbe``. TorchScript types the attribute from this annotation, which
+    # is why this module is not under ``from __future__ import annotations`` (a string would not do).
+    kernel: KernelView
 
     def __init__(self, configs: list[Any], dtype: str, pooled: bool) -> None:
         super().__init__()
@@ -60,6 +76,9 @@ class _ServingCollection(nn.Module):
         self._name = type(self).__name__
         self._is_weighted = False
         self.tbe = self._kernel(dtype)
+        self.kernel = kernel_view(self.tbe)
+        self.script_threads = torch.get_num_threads()
+        self.min_ids_per_group = MIN_IDS_PER_GROUP
         # Every feature's slots of its table's index, end to end (a table read by several
         # features appears once per feature), and the tables that hold the id -1.
         self.index_slots: torch.Tensor
@@ -87,23 +106,40 @@ class _ServingCollection(nn.Module):
         kernel.initialize_weights()
         return kernel
 
-    def _rows(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
+    def _lookup(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, torch.Tensor]:
         """The input (checked: :func:`~recsdk.serving.batch_checks.check_batch`) in the collection's
-        feature order, its offsets (from its checked lengths), and the rows of its ids (``-1`` where
-        a table does not hold the id: the kernel skips it)."""
+        feature order, and the kernel's output for it (its ids mapped to rows, ``-1`` where a table
+        does not hold the id: the kernel skips it), split by features over up to
+        ``torch.get_num_threads()`` threads (:attr:`script_threads` under TorchScript):
+        :func:`~recsdk.serving.grouped_lookup.lookup_in_groups`."""
         offsets = check_batch(features, self.features, self._name, self._is_weighted)
         if features.keys() != self.features:
             features = features.permute([features.keys().index(f) for f in self.features])
             offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths().long())
-        values = features.values().long()
-        rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, offsets, self.index_slots, self.index_offsets)
-        if self.minus_one.shape[0] > 0:  # the id -1, which the slots cannot hold
-            offset_per_key = features.offset_per_key()
-            for i in range(self.minus_one.shape[0]):
-                first, end, row = int(self.minus_one[i, 0]), int(self.minus_one[i, 1]), int(self.minus_one[i, 2])
-                start, stop = offset_per_key[first], offset_per_key[end]
-                rows[start:stop] = rows[start:stop].masked_fill(values[start:stop] == -1, row)
-        return features, offsets, rows
+        weights: torch.Tensor | None = None
+        if self._is_weighted:
+            given = features.weights_or_none()
+            if given is not None:
+                weights = given.float()
+        if torch.jit.is_scripting():
+            threads = self.script_threads
+        else:
+            threads = torch.get_num_threads()
+        batch = features.stride()
+        bounds = feature_bounds(offsets, batch, len(self.features), threads, self.min_ids_per_group)
+        out = lookup_in_groups(
+            features.values().long(),
+            offsets,
+            weights,
+            batch,
+            bounds,
+            self.index_slots,
+            self.index_offsets,
+            self.minus_one,
+            self.kernel,
+            self.pooled,
+        )
+        return features, out
 
     @torch.jit.unused
     def _index(self, ids: list[IdTable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,7 +165,7 @@ class _ServingCollection(nn.Module):
         )
 
     @torch.jit.unused
-    def stage_version(self, version: PublishedVersion) -> StagedVersion:
+    def stage_version(self, version: PublishedVersion) -> "StagedVersion":
         """Prepare a version's part for these tables without changing what a forward reads: the
         first half of :meth:`apply_version`, which may run while forwards do.
 
@@ -168,11 +204,12 @@ class _ServingCollection(nn.Module):
         return StagedVersion(version.dtype, kernel, ids, [], self._index(ids))
 
     @torch.jit.unused
-    def commit_version(self, staged: StagedVersion) -> None:
+    def commit_version(self, staged: "StagedVersion") -> None:
         """Serve a staged version (while no forward runs): swap in its kernel, id tables and index,
         and write a delta's rows."""
         if staged.kernel is not None and staged.ids is not None:
             self.tbe, self.dtype = staged.kernel, staged.dtype
+            self.kernel = kernel_view(staged.kernel)
             for table, ids in zip(self.tables, staged.ids, strict=True):
                 table.ids = ids
         self._write(self.tbe, staged.writes)
@@ -278,11 +315,7 @@ class ServingEmbeddingBagCollection(_ServingCollection):
         Returns:
             KeyedTensor: ``[B, sum(dims)]``, keys and order as the hash collection's.
         """
-        features, offsets, rows = self._rows(features)
-        weights = features.weights_or_none() if self._is_weighted else None
-        if weights is not None:
-            weights = weights.float()
-        pooled = self.tbe(rows, offsets, weights)
+        features, pooled = self._lookup(features)
         if self.mean_columns.shape[0] > 0:
             lengths = features.lengths().view(len(self.features), -1).clamp(min=1).unsqueeze(2).to(pooled.dtype)
             for i in range(self.mean_columns.shape[0]):
@@ -312,8 +345,7 @@ class ServingEmbeddingCollection(_ServingCollection):
         Returns:
             dict[str, JaggedTensor]: feature -> values ``[num_ids, dim]``, its lengths and offsets.
         """
-        features, offsets, rows = self._rows(features)
-        embeddings = self.tbe(rows, offsets, None)
+        features, embeddings = self._lookup(features)
         offset_per_key = features.offset_per_key()
         per_feature = features.to_dict()
         out: dict[str, JaggedTensor] = {}
