@@ -8,8 +8,9 @@ in fp32 and int8, and served in this process. One JSON line per measurement:
   and 1 samples, ``--pooling`` ids per bag, Zipf), the serving collection's ids/s and latency
   p50/p99 on raw ids, against TorchRec's ``EmbeddingBagCollection`` (fp32) and
   ``QuantEmbeddingBagCollection`` (int8) on the same ids remapped offline to ``0..n-1``; ratio =
-  ours / theirs in ids/s (target >= 0.8); ``lookup_groups``: the threads a forward split its
-  lookup over (``recsdk.serving.grouped_lookup``);
+  ours / theirs in ids/s (target >= 0.8); the collections' ``lookup_threads`` is set to the
+  thread count, and ``lookup_groups`` is the threads a forward split its lookup over
+  (``recsdk.serving.grouped_lookup``);
 - ``batch_check``: per thread count and dtype at batch 512, what ``check_batch`` costs: forwards
   with it against the same forwards with it replaced by the bare ``asynchronous_complete_cumsum``
   of the lengths (what a forward needs without the check), ``--check-rounds`` interleaved rounds;
@@ -157,6 +158,7 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
             first = batches[0][0]
             groups = len(feature_bounds(first.offsets(), batch_size, args.tables, threads)) - 1
             for dtype, (ours, theirs, name) in pairs.items():
+                ours.lookup_threads = threads
                 mine: list[list[float]] = []
                 base: list[list[float]] = []
                 for _ in range(args.rounds):  # interleaved: ours, theirs, ours, ...
@@ -208,6 +210,7 @@ def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids:
         torch.set_num_threads(threads)
         for dtype, serving in served.items():
             collection = serving.model.ebc
+            collection.lookup_threads = threads
             with_check: list[float] = []
             without: list[float] = []
             check_alone: list[float] = []

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torchrec.modules.embedding_configs import PoolingType
@@ -194,17 +192,6 @@ def test_weights_and_an_unpooled_batch_are_checked() -> None:
         unpooled(_kjt(["hist"], [6], [-1, 2]))
 
 
-@pytest.fixture
-def three_threads() -> Iterator[None]:
-    """``torch.get_num_threads()`` is 3 for the test (a forward splits its lookup over as many)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _random_kjt(keys: list[str], batch: int, ids: list[int], gen: torch.Generator, weighted: bool) -> KeyedJaggedTensor:
     """Up to 5 ids per bag, drawn from ``ids`` and from ids no table holds; empty bags too."""
     lengths = torch.randint(0, 6, (len(keys) * batch,), generator=gen)
@@ -216,9 +203,7 @@ def _random_kjt(keys: list[str], batch: int, ids: list[int], gen: torch.Generato
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_a_lookup_split_over_threads_equals_one_lookup_bit_for_bit(
-    dtype: str, weighted: bool, three_threads: None
-) -> None:
+def test_a_lookup_split_over_threads_equals_one_lookup_bit_for_bit(dtype: str, weighted: bool) -> None:
     ebc = HashEmbeddingBagCollection(
         tables=[
             HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=64, feature_names=["f", "g"]),
@@ -235,7 +220,7 @@ def test_a_lookup_split_over_threads_equals_one_lookup_bit_for_bit(
     ids = [*EDGE_IDS, *range(1, 40)]  # -1 too: the tables holding it are fixed up per group
     tables = {name: (ids, torch.rand(len(ids), generator=gen).tolist(), []) for name in ("a", "b", "c")}
     serving.apply_version(_version("full", tables, dtype, {"b": 8}))
-    serving.script_threads = 3
+    serving.lookup_threads = 3
     scripted = torch.jit.script(serving)
     for _ in range(5):
         kjt = _random_kjt(["h", "f", "k", "g"], 16, ids, gen, weighted)  # permuted keys
@@ -249,7 +234,7 @@ def test_a_lookup_split_over_threads_equals_one_lookup_bit_for_bit(
         assert torch.equal(scripted(kjt).values(), one)
 
 
-def test_an_unpooled_lookup_split_over_threads_equals_one_lookup(three_threads: None) -> None:
+def test_an_unpooled_lookup_split_over_threads_equals_one_lookup() -> None:
     ec = HashEmbeddingCollection(
         tables=[
             HashEmbeddingConfig(name="item", embedding_dim=4, num_embeddings=64, feature_names=["hist", "cand"]),
@@ -258,6 +243,7 @@ def test_an_unpooled_lookup_split_over_threads_equals_one_lookup(three_threads: 
         device="meta",
     )
     serving = ServingEmbeddingCollection(ec, "float16")
+    serving.lookup_threads = 3
     gen = torch.Generator().manual_seed(1)
     ids = [*EDGE_IDS, *range(1, 40)]
     values = torch.rand(len(ids), generator=gen).tolist()

@@ -242,7 +242,7 @@ def lookup_in_groups(
 
     Example::
 
-        bounds = feature_bounds(offsets, batch, len(features), torch.get_num_threads())
+        bounds = feature_bounds(offsets, batch, len(features), 2)
         pooled = lookup_in_groups(kjt.values(), offsets, None, batch, bounds, slots, slot_offsets,
                                   minus_one, kernel_view(tbe), True)
     """

@@ -49,8 +49,9 @@ class _ServingCollection(nn.Module):
     """What both collections share: the tables' ids, the kernel of their rows, applying versions.
 
     Attributes:
-        script_threads (int): the most threads a forward of a TorchScript copy splits its lookup
-            over (set before scripting; an eager forward reads ``torch.get_num_threads()``).
+        lookup_threads (int): the most threads a forward splits its lookup over (1, the default:
+            none; measured on the 2-core dev machine, a split was slower than one call, see the
+            README). Scripting copies it.
         min_ids_per_group (int): the fewest ids a thread looks up (a smaller batch is looked up
             on the calling thread alone).
     """
@@ -77,7 +78,7 @@ class _ServingCollection(nn.Module):
         self._is_weighted = False
         self.tbe = self._kernel(dtype)
         self.kernel = kernel_view(self.tbe)
-        self.script_threads = torch.get_num_threads()
+        self.lookup_threads = 1
         self.min_ids_per_group = MIN_IDS_PER_GROUP
         # Every feature's slots of its table's index, end to end (a table read by several
         # features appears once per feature), and the tables that hold the id -1.
@@ -110,7 +111,7 @@ class _ServingCollection(nn.Module):
         """The input (checked: :func:`~recsdk.serving.batch_checks.check_batch`) in the collection's
         feature order, and the kernel's output for it (its ids mapped to rows, ``-1`` where a table
         does not hold the id: the kernel skips it), split by features over up to
-        ``torch.get_num_threads()`` threads (:attr:`script_threads` under TorchScript):
+        :attr:`lookup_threads` threads:
         :func:`~recsdk.serving.grouped_lookup.lookup_in_groups`."""
         offsets = check_batch(features, self.features, self._name, self._is_weighted)
         if features.keys() != self.features:
@@ -121,12 +122,8 @@ class _ServingCollection(nn.Module):
             given = features.weights_or_none()
             if given is not None:
                 weights = given.float()
-        if torch.jit.is_scripting():
-            threads = self.script_threads
-        else:
-            threads = torch.get_num_threads()
         batch = features.stride()
-        bounds = feature_bounds(offsets, batch, len(self.features), threads, self.min_ids_per_group)
+        bounds = feature_bounds(offsets, batch, len(self.features), self.lookup_threads, self.min_ids_per_group)
         out = lookup_in_groups(
             features.values().long(),
             offsets,
