@@ -27,6 +27,9 @@ PACKAGES = ["data", "embedding", "sharding", "pipeline", "serving"]  # a package
 STACK = ["torch", "fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "iopath", "tqdm", "numpy"]
 STACK += ["pyarrow", "safetensors"]  # recsdk-data's readers; published versions
 TEST_TOOLS = ["pytest", "hypothesis", "hatchling", "torchdata"]  # torchdata: StatefulDataLoader (data position tests)
+# A package's tests session also installs its extras' third-party packages: recsdk-serving[server]
+# (Ray Serve), whose tests start the real server.
+SESSION_EXTRAS = {"serving": ["ray[serve]"]}
 
 nox.options.sessions = ["lint", "typecheck", "tests", "integration"]
 nox.options.reuse_venv = "yes"
@@ -75,7 +78,7 @@ def _install(session: nox.Session, local: list[str], extra: list[str] | None = N
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, with only that package and the siblings it declares installed."""
-    _install(session, _local_packages(package), TEST_TOOLS)
+    _install(session, _local_packages(package), TEST_TOOLS + SESSION_EXTRAS.get(package, []))
     session.run("pytest", "-q", f"packages/recsdk-{package}/tests", *session.posargs)
 
 

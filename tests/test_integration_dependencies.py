@@ -39,6 +39,9 @@ IMPORT_TO_DISTRIBUTION = {
     "tqdm": "tqdm",
     "safetensors": "safetensors",
     "torch_npu": "torch-npu",
+    # recsdk-serving[server]: Ray Serve, and starlette, the HTTP layer that ray[serve] brings
+    "ray": "ray",
+    "starlette": "ray",
 }
 
 _REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")

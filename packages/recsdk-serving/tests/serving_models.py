@@ -26,6 +26,7 @@ from recsdk.embedding import (
     LRUEviction,
     TTLEviction,
 )
+from recsdk.serving import ModelSpec
 from recsdk.sharding import Publisher
 from recsdk.sharding.testing import shard_on_cpu
 
@@ -93,6 +94,19 @@ class Recommender(nn.Module):
         logits = self.over(x).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, torch.sigmoid(logits.detach())
+
+
+FEATURES = ["user", "tag", "history", "candidate"]
+
+
+def recommender_spec() -> ModelSpec:
+    """The factory the server tests serve (``--model serving_models:recommender_spec``)."""
+    return ModelSpec(Recommender("cpu"), FEATURES, NUM_DENSE, predict=predict)
+
+
+def predict(model: nn.Module, sparse: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+    """The Recommender's click probabilities for a request (its labels unused in eval)."""
+    return model(Batch(dense, sparse, torch.zeros(dense.shape[0])))[1]
 
 
 def make_batch(n: int, seed: int) -> Batch:

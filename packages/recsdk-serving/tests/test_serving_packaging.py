@@ -24,3 +24,16 @@ def test_public_names_resolve() -> None:
 
     missing = [n for n in pkg.__all__ if not hasattr(pkg, n)]
     assert missing == []
+
+
+def test_importing_recsdk_serving_imports_no_engine() -> None:
+    """The server's engine (Ray Serve, the ``server`` extra) is imported only when a server starts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, recsdk.serving; print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'starlette')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

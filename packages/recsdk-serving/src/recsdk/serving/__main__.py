@@ -1,7 +1,7 @@
-"""``python -m recsdk.serving inspect ROOT``."""
+"""``python -m recsdk.serving inspect ROOT`` and ``python -m recsdk.serving serve ROOT --model ...``."""
 
 import sys
 
-from recsdk.serving.inspect_root import main
+from recsdk.serving.cli import main
 
 sys.exit(main())

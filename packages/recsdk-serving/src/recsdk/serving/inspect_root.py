@@ -1,4 +1,5 @@
-"""``python -m recsdk.serving inspect ROOT``: what a publisher's root holds, and whether it serves.
+"""``inspect_root``: what a publisher's root holds, and whether it serves (``python -m recsdk.serving
+inspect ROOT``, in ``cli.py``).
 
 Prints one line per complete version (kind, parent, step, bytes, per table the ids written and
 deleted; ``UNREADABLE`` and why for a version whose manifest cannot be read or is refused), then
@@ -12,15 +13,12 @@ failure is a ``BROKEN`` line and exit status 1.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from collections.abc import Sequence
 
 from recsdk.embedding import PublicationError, read_version
 from recsdk.embedding.publication_chain import plan_chain
 
-__all__ = ["inspect_root", "main"]
+__all__ = ["inspect_root"]
 
 
 def inspect_root(root: str | os.PathLike[str]) -> tuple[list[str], bool]:
@@ -73,22 +71,3 @@ def inspect_root(root: str | os.PathLike[str]) -> tuple[list[str], bool]:
         return lines, False
     lines.append(f"chain {start} -> {plan.chain[-1]}: complete and intact (every manifest's and file's CRC-32 checked)")
     return lines, True
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: ``inspect ROOT``; exit status 1 when the chain is not servable."""
-    parser = argparse.ArgumentParser(prog="python -m recsdk.serving", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="list a publisher's versions and check the chain a server applies")
-    inspect.add_argument("root", help="the publisher's root")
-    args = parser.parse_args(argv)
-    try:
-        lines, ok = inspect_root(args.root)
-    except Exception as e:  # reported as a BROKEN line, never a traceback
-        lines, ok = [f"{args.root}: BROKEN: {type(e).__name__}: {e}"], False
-    print("\n".join(lines))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

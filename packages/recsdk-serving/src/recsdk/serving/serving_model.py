@@ -6,8 +6,8 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from recsdk.serving.serving_collections import ServingEmbeddingBagCollection, Se
 __all__ = ["ServingModel"]
 
 _Serving = ServingEmbeddingBagCollection | ServingEmbeddingCollection
+_T = TypeVar("_T")
 _REFRESH_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -130,6 +131,21 @@ class ServingModel:
         """
         with self._lock.reading(), torch.no_grad():
             return self.model(*inputs, **kwargs)
+
+    def on_one_version(self, fn: Callable[..., _T], *args: Any) -> tuple[int, _T]:
+        """``fn(model, *args)`` on one version, and that version: ``(version, result)``.
+
+        ``fn`` gets the model (eval mode, under ``torch.no_grad()``) and may call it several
+        times; no version is committed meanwhile, so the version returned is the one every call
+        saw (a server names it in its answer).
+
+        Example::
+
+            version, scores = serving.on_one_version(lambda model, b: model(b)[1], batch)
+        """
+        with self._lock.reading(), torch.no_grad():
+            assert self._version is not None
+            return self._version, fn(self.model, *args)
 
     def refresh(self, max_versions: int | None = None) -> int:
         """Apply every newer complete version, in order; returns how many were applied.
