@@ -373,7 +373,7 @@ def test_bytes_per_row_stay_under_48_at_8m_capacity(index_kind: str) -> None:
         table = IdTable(capacity, eviction=LFUEviction())
         full_index = slot_index.index_bytes(capacity, torch.device("cpu"))  # the index grown to full size
         assert full_index == -(-capacity * 14 // 10) * 16
-        assert (table.memory_bytes - table._index.memory_bytes + full_index) / capacity <= 48
+        assert (table.memory_bytes - table._map.index.memory_bytes + full_index) / capacity <= 48
         return
     table = IdTable(capacity, device="meta", eviction=LFUEviction())
     assert table.memory_bytes / capacity <= 48
@@ -385,7 +385,7 @@ def test_bytes_per_row_stay_under_48_at_8m_capacity(index_kind: str) -> None:
 def test_hash_index_grows_with_the_stored_ids() -> None:
     capacity = 1_000_000
     table = IdTable(capacity, eviction=LRUEviction(), name="grows")
-    full = type(table._index).slots_for(capacity)
+    full = type(table._map.index).slots_for(capacity)
     first = _random_ids(1000, 0)
     model = dict(zip(first.tolist(), table.find_or_insert(first).tolist(), strict=True))  # id -> row
     assert table.num_slots * 10 < full  # sized for the ids stored, not for the capacity
@@ -407,7 +407,7 @@ def test_hash_index_grows_with_the_stored_ids() -> None:
     filled = IdTable(120_000, name="filled")
     ids = _random_ids(120_000, 2)
     rows = filled.find_or_insert(ids)
-    assert filled.num_slots == type(filled._index).slots_for(120_000)
+    assert filled.num_slots == type(filled._map.index).slots_for(120_000)
     assert torch.equal(filled.find(ids), rows)
 
 

@@ -44,4 +44,4 @@ def test_index_bytes_is_what_the_index_holds(capacity: int) -> None:
     # The planner sizes host tables with it, without allocating them.
     for device in ("cpu", "meta"):
         table = IdTable(capacity, device=device)
-        assert slot_index.index_bytes(capacity, torch.device(device)) == table._index.memory_bytes
+        assert slot_index.index_bytes(capacity, torch.device(device)) == table._map.index.memory_bytes

@@ -1,30 +1,22 @@
 """A collision-free map from raw int64 ids to embedding rows, with admission and eviction.
 
-``IdTable`` is composed of parts that each own their arrays (all torch tensors on the table's
-device, so every operation is whole-batch), and orchestrates them:
+``IdTable`` checks what its callers give it and orchestrates parts that each own their arrays
+(torch tensors on the table's device, so every operation is whole-batch):
 
-* the hash index from id to row (:mod:`~recsdk.embedding.slot_index`): on CPU, FBGEMM's native
-  pruned-hashmap kernels (linear probing over ``(key, row)`` pairs, 1.4 slots per row); on other
-  devices, double hashing in torch ops over int32 slots (a power of two, at least 1.5 slots per
-  row, once grown to full size). Removal leaves a tombstone, and the table rehashes when stored
-  ids plus tombstones pass 80% (torch index) or 90% (FBGEMM index) of the slots; the index starts
-  small, and a rehash doubles it when stored ids would fill more than half of it.
-* the rows (:class:`~recsdk.embedding.row_allocator.RowAllocator`): ``row_id`` (int64) and the
-  row state (int8, :mod:`~recsdk.embedding.row_states`; occupancy lives there, never in the key,
-  so every int64 value is a valid id), the free rows (a high-water mark and a stack below it;
-  scans cover only the rows below the mark) and the rows to report as reassigned;
-* eviction (:class:`~recsdk.embedding.id_table_eviction.IdTableEviction`): ``last_step`` and
-  ``freq`` per row, the idle floor and the queue of the oldest rows; it chooses victims, the
-  table frees them;
-* pins (:class:`~recsdk.embedding.id_table_pins.IdTablePins`): int32 reference counts per row;
-* admission (:class:`~recsdk.embedding.id_table_admission.IdTableAdmission`): the count sketch;
-* show/click scores (:class:`~recsdk.embedding.id_table_scores.IdTableScores`);
-* publishing (:class:`~recsdk.embedding.id_table_publishing.IdTablePublishing`): the change
-  tracker, and a version's snapshot and commit;
-* the state format (:class:`~recsdk.embedding.id_table_state.IdTableState`).
-
-The table owns the step clock and the statistics. On CPU the per-row arrays are anonymous memory
-maps, so a page becomes resident when a row on it is first written.
+* :class:`~recsdk.embedding.row_map.RowMap`: the hash index (:mod:`~recsdk.embedding.slot_index`)
+  and the rows (:class:`~recsdk.embedding.row_allocator.RowAllocator`: ``row_id``, the row state of
+  :mod:`~recsdk.embedding.row_states`, the free rows, the rows to report as reassigned);
+* :class:`~recsdk.embedding.id_table_eviction.IdTableEviction`: ``last_step`` and ``freq`` per row,
+  the idle floor, the queue of the oldest rows; it chooses victims, the table frees them;
+* :class:`~recsdk.embedding.id_table_pins.IdTablePins`: reference counts per row;
+* :class:`~recsdk.embedding.id_table_admission.IdTableAdmission`: the count sketch;
+* :class:`~recsdk.embedding.id_table_scores.IdTableScores`: show/click scores;
+* :class:`~recsdk.embedding.id_table_publishing.IdTablePublishing`: the change tracker, a
+  version's snapshot and commit;
+* :class:`~recsdk.embedding.id_table_state.IdTableState`: the state format;
+* :class:`~recsdk.embedding.id_table_step.IdTableSteps`: the step clock, the statistics and
+  :meth:`IdTable.find_or_insert`'s two halves (what a step does, worked out before anything
+  changes; then its commit).
 """
 
 from __future__ import annotations
@@ -39,20 +31,21 @@ from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
 from recsdk.embedding.id_table_inputs import check_usable, checked_clicks, checked_ids, checked_rows
 from recsdk.embedding.id_table_pins import IdTablePins
 from recsdk.embedding.id_table_publishing import IdTablePublishing
-from recsdk.embedding.id_table_scores import IdTableScores, StepUnits
-from recsdk.embedding.id_table_state import STAT_NAMES, STATE_KEYS, IdTableState
+from recsdk.embedding.id_table_scores import IdTableScores
+from recsdk.embedding.id_table_state import STATE_KEYS, IdTableState
+from recsdk.embedding.id_table_step import IdTableSteps
 from recsdk.embedding.policies import (
     AdmissionPolicy,
     EvictionPolicy,
     ScoreAdmission,
     ScoreEviction,
-    TTLEviction,
     check_policies,
     score_of,
 )
 from recsdk.embedding.row_allocator import RowAllocator
+from recsdk.embedding.row_map import RowMap
 from recsdk.embedding.row_states import MAX_CAPACITY
-from recsdk.embedding.slot_index import FbgemmSlotIndex, make_slot_index
+from recsdk.embedding.slot_index import FbgemmSlotIndex
 
 __all__ = ["IdTable", "TableFullError"]
 
@@ -84,19 +77,12 @@ class IdTable:
             for the first time, not only rows taken from evicted ids (for row stores that
             initialise a row when it is first used, such as a file-backed store).
 
-    Memory: resident memory follows the rows the table uses, not its capacity. The hash index
-    starts with the slots of a table of ``min(capacity, 65536)`` rows and doubles whenever the
-    stored ids would fill more than half of them, up to its full size: on CPU 16 bytes per slot,
-    ``ceil(1.4 * capacity)`` slots, so 22.4 bytes per row; elsewhere 4 bytes per slot, the power
-    of two at or above ``1.5 * capacity`` slots, so 6 to 12 bytes per row. The per-row arrays (25
-    bytes per row, with the free-row stack) are allocated for the whole capacity but, on CPU, as
-    anonymous memory maps: the OS provides a page when it is first written, so only the pages of
-    the rows handed out so far (and of the stack's depth) are resident. On other devices they are
-    allocated and zeroed in full. Plus the admission counters (``4 * counter_slots`` bytes, fixed;
-    ``8 *`` for :class:`ScoreAdmission`) and, with :class:`ScoreEviction`, 8 bytes per row of
-    scores (lazily resident too; see :mod:`~recsdk.embedding.id_table_scores`).
-    :attr:`memory_bytes` gives the allocated figure (the index at its current size),
-    :func:`~recsdk.embedding.slot_index.index_bytes` the index's full size.
+    Memory: resident memory follows the rows the table uses, not its capacity: the hash index
+    starts small and doubles as ids arrive (22.4 bytes per row at full size on CPU, 6 to 12
+    elsewhere; :func:`~recsdk.embedding.slot_index.index_bytes`), and the per-row arrays (25 bytes
+    per row) are, on CPU, anonymous memory maps resident only where written. Plus the admission
+    counters and, with :class:`ScoreEviction`, 8 bytes per row of scores. :attr:`memory_bytes`
+    gives the allocated figure.
 
     Example::
 
@@ -135,17 +121,16 @@ class IdTable:
             per_row = isinstance(eviction, ScoreEviction)
             self._scores = IdTableScores(score, capacity, dev, admission=score_admission, per_row=per_row)
         self._rows = RowAllocator(capacity, dev, report_first_use=bool(report_first_use))
-        self._index = make_slot_index(capacity, dev, self._rows.row_id)
         self._pins = IdTablePins(name, capacity, dev)
         self._eviction = IdTableEviction(
             name, eviction, self._rows, self._pins, self._scores, capacity=capacity, device=dev
         )
         self._admission = IdTableAdmission(admission, self._scores, dev)
         self._publishing = IdTablePublishing(self._rows, capacity, dev)
-        parts = (self._rows, self._eviction, self._admission, self._scores)
+        self._map = RowMap(self._rows, self._eviction, self._scores, self._publishing, capacity=capacity, device=dev)
+        parts = (self._rows, self._map, self._admission, self._eviction, self._scores)
         self._state = IdTableState(name, capacity, dev, (admission, eviction), *parts)
-        self._step = 0
-        self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._steps = IdTableSteps(*parts, policy=eviction, capacity=capacity, device=dev)
 
     # ------------------------------------------------------------------ properties
 
@@ -177,17 +162,17 @@ class IdTable:
     @property
     def step(self) -> int:
         """Number of :meth:`find_or_insert` calls so far (restored by :meth:`load_state_dict`)."""
-        return self._step
+        return self._steps.step
 
     @property
     def index_kind(self) -> str:
         """Which hash index maps ids to rows: ``"fbgemm"`` (FBGEMM's kernels, CPU) or ``"torch"``."""
-        return "fbgemm" if isinstance(self._index, FbgemmSlotIndex) else "torch"
+        return "fbgemm" if isinstance(self._map.index, FbgemmSlotIndex) else "torch"
 
     @property
     def num_slots(self) -> int:
         """Number of slots of the hash index (see :mod:`recsdk.embedding.slot_index`)."""
-        return self._index.num_slots
+        return self._map.index.num_slots
 
     @property
     def memory_bytes(self) -> int:
@@ -197,7 +182,7 @@ class IdTable:
         tensors = self._rows.tensors() + self._eviction.tensors() + self._pins.tensors() + self._admission.tensors()
         if self._scores is not None:
             tensors += self._scores.tensors()
-        return self._index.memory_bytes + sum(t.numel() * t.element_size() for t in tensors)
+        return self._map.index.memory_bytes + sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def changes(self) -> RowChangeTracker | None:
@@ -241,96 +226,7 @@ class IdTable:
         flat, shape = self._as_ids(ids, "find_or_insert")
         where = f"IdTable '{self._name}'.find_or_insert"
         click_values = checked_clicks(clicks, flat.numel(), where) if clicks is not None else None
-        rows = self._lookup(flat)
-        evicting = self._eviction_policy is not None
-        # Rows this batch holds, with misses sent to the spare metadata entry at index ``capacity``.
-        used: torch.Tensor | None
-        miss_idx: torch.Tensor | None
-        if flat.numel() and int(rows.min()) >= 0:  # every id has its row (the steady state): no misses
-            miss_idx, num_miss = None, 0
-            used = rows if evicting else None
-        else:
-            miss = rows < 0
-            miss_idx = miss.nonzero().squeeze(1)
-            num_miss = miss_idx.numel()
-            used = rows.masked_fill(miss, self._capacity) if evicting else None
-
-        # Read-only phase: work out what to insert and whether it fits, before touching any state.
-        units: StepUnits | None = None
-        amounts = uniq_amounts = None  # score amounts per occurrence, and per distinct new id
-        if self._scores is not None:
-            units = self._scores.step_units(self._step + 1)
-            amounts = units.amounts(flat.numel(), click_values, self._device)
-        uniq = inverse = positions = estimate = admitted = None
-        num_new = 0
-        if num_miss:
-            assert miss_idx is not None
-            counted = self._admission.needs_counts
-            found = torch.unique(flat.index_select(0, miss_idx), return_inverse=True, return_counts=counted)
-            uniq, inverse = found[0], found[1]
-            if amounts is not None:
-                uniq_amounts = torch.zeros(uniq.numel(), dtype=torch.int64, device=self._device)
-                uniq_amounts.index_add_(0, inverse, amounts.index_select(0, miss_idx))
-            admitted, positions, estimate = self._admission.decide(
-                uniq, found[2] if counted else None, uniq_amounts, units, self._step + 1
-            )
-            num_new = uniq.numel() if admitted is None else int(admitted.sum())
-        in_use = None  # bool [high_water]: rows this batch holds (eviction never frees them in this call)
-        if num_new > self._rows.num_free:
-            in_use = self._eviction.check_room(num_new, used)
-
-        # Commit phase.
-        self._step += 1
-        step = self._step
-        self._stats["lookups"] += flat.numel()
-        self._stats["hits"] += flat.numel() - num_miss
-        if used is not None and num_miss < flat.numel():
-            self._eviction.touch(used, step)
-        if self._scores is not None and used is not None and amounts is not None:
-            self._scores.add_hits(used, amounts)
-        policy = self._eviction_policy
-        if isinstance(policy, TTLEviction):
-            self._free_evicted(self._eviction.idle_rows(policy.max_idle_steps, step))
-        elif isinstance(policy, ScoreEviction) and policy.every_steps is not None:
-            if step % policy.every_steps == 0 and used is not None:
-                self._free_evicted(self._eviction.choose(0, self._eviction.in_use(used), step))
-        if uniq is not None and inverse is not None:
-            assert miss_idx is not None
-            scores = self._admission.count(positions, estimate, uniq_amounts)
-            self._stats["admission_rejects"] += uniq.numel() - num_new
-            if num_new:
-                uniq_rows = self._insert_admitted(uniq, admitted, scores, num_new, in_use)
-                rows.index_copy_(0, miss_idx, uniq_rows.index_select(0, inverse))
-        if self._scores is not None:
-            self._scores.end_step(step, self._rows.high_water)
-        return rows.view(shape)
-
-    def _insert_admitted(
-        self,
-        uniq: torch.Tensor,
-        admitted: torch.Tensor | None,
-        scores: torch.Tensor | None,
-        num_new: int,
-        in_use: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The commit part of :meth:`find_or_insert` for the ``num_new`` admitted ids of ``uniq``
-        (distinct ids without a row): make room, place them; returns the rows of ``uniq`` (-1 where
-        not admitted)."""
-        new_ids = uniq if admitted is None else uniq[admitted]
-        shortfall = num_new - self._rows.num_free
-        if shortfall > 0:
-            assert in_use is not None  # shortfall > 0 implies num_new > free rows before the call
-            self._free_evicted(self._eviction.choose(shortfall, in_use, self._step))
-        new_rows = self._rows.pop(num_new)
-        self._place(new_ids, new_rows, step=self._step)
-        if self._scores is not None and scores is not None:
-            self._scores.place(new_rows, scores if admitted is None else scores[admitted])
-        self._stats["inserts"] += num_new
-        if admitted is None:
-            return new_rows
-        uniq_rows = torch.full((uniq.numel(),), -1, dtype=torch.int64, device=self._device)
-        uniq_rows[admitted] = new_rows
-        return uniq_rows
+        return self._steps.run(flat, click_values).view(shape)
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Map ids to rows without inserting anything (evaluation).
@@ -345,7 +241,7 @@ class IdTable:
             torch.Tensor: int64 rows, same shape as ``ids``; ``-1`` for ids not in the table.
         """
         flat, shape = self._as_ids(ids, "find")
-        return self._lookup(flat).view(shape)
+        return self._map.lookup(flat).view(shape)
 
     def scores(self, ids: torch.Tensor) -> torch.Tensor:
         """The show/click scores of ``ids`` at the current step (reads only).
@@ -368,7 +264,7 @@ class IdTable:
                 f"IdTable '{self._name}' keeps no show/click scores: its admission ({self._admission_policy}) and "
                 f"eviction ({self._eviction_policy}) are not ScoreAdmission / ScoreEviction"
             )
-        return self._scores.of(flat, self._lookup(flat), self._step).view(shape)
+        return self._scores.of(flat, self._map.lookup(flat), self._steps.step).view(shape)
 
     def take_reassigned_rows(self) -> torch.Tensor:
         """Rows handed to a new id after having held another one, since the last call; clears the list.
@@ -395,12 +291,12 @@ class IdTable:
             ValueError: one of the rows is pinned (the table is left unchanged).
         """
         flat, shape = self._as_ids(ids, "remove")
-        rows = self._lookup(flat)
+        rows = self._map.lookup(flat)
         present = rows[rows >= 0].unique()
         if present.numel():
             if self._pins.any_pinned(present):
                 raise ValueError(f"IdTable '{self._name}': remove of ids whose rows are pinned; unpin them first")
-            self._free(present)
+            self._map.free(present)
         return rows.view(shape)
 
     def ids_and_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,11 +336,11 @@ class IdTable:
             show/click scores at the current step; 0.0 when empty).
         """
         out: dict[str, Any] = {"size": self._rows.size, "capacity": self._capacity}
-        out.update(self._stats)
-        out["hit_rate"] = self._stats["hits"] / self._stats["lookups"] if self._stats["lookups"] else 0.0
+        out.update(self._steps.counts())
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         if self._scores is not None and self._scores.per_row:
             rows = self._rows.occupied_rows()
-            scores = self._scores.of_rows(rows, self._step)
+            scores = self._scores.of_rows(rows, self._steps.step)
             out["score_sum"] = float(scores.sum()) if rows.numel() else 0.0
             out["score_min"] = float(scores.min()) if rows.numel() else 0.0
         return out
@@ -487,8 +383,8 @@ class IdTable:
         """
         limit = self._eviction.idle_limit(max_idle_steps)
         self._check_usable()
-        rows = self._eviction.idle_rows(limit, self._step, force=True)
-        self._free_evicted(rows)
+        rows = self._eviction.idle_rows(limit, self._steps.step, force=True)
+        self._steps.free_evicted(rows)
         return rows
 
     # ------------------------------------------------------------------ state
@@ -496,19 +392,12 @@ class IdTable:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The table's full state as tensors (pins are runtime state and are not included).
 
-        Keys (:attr:`STATE_KEYS`): ``capacity``, ``step`` (scalars); ``ids``, ``rows``,
-        ``last_step``, ``freq`` (one entry per stored id, ascending rows); ``free_rows`` (the
-        free-row stack, bottom to top, under the rows never handed out, ``capacity - 1`` down to
-        the high-water mark); ``retired_rows`` (free rows whose embedding holds a former id);
-        ``reassigned_rows`` (not yet taken by :meth:`take_reassigned_rows`);
-        ``admission_counters`` (empty without a sketch); ``stats`` (int64 ``[5]``: inserts,
-        evictions, admission_rejects, lookups, hits); ``scores`` (int64, one per stored id with
-        :class:`ScoreEviction`, else empty) and ``score_counters`` (the :class:`ScoreAdmission`
-        sketch, else empty): show/click scores in fixed point in the units of step ``score_ref``
-        (a scalar; see :mod:`~recsdk.embedding.id_table_scores`).
+        Keys: :attr:`STATE_KEYS`; what each holds is written in :mod:`~recsdk.embedding.id_table_state`
+        (ids, rows and their metadata in ascending rows, the free rows, retired and reassigned rows,
+        admission counters, the step clock, statistics, and the show/click scores).
         """
         self._check_usable()
-        return self._state.state_dict(step=self._step, stats=self._stats)
+        return self._state.state_dict(step=self._steps.step, stats=self._steps.counts())
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Restore a state from :meth:`state_dict` of a table with the same capacity.
@@ -524,8 +413,7 @@ class IdTable:
         sd = self._state.checked(state_dict)
         self._check_unpinned()
         self._reset()
-        self._rows.restore(sd["free_rows"], sd["retired_rows"], sd["reassigned_rows"])
-        self._restore(sd)
+        self._steps.restore(*self._state.load(sd))
 
     def check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
@@ -601,8 +489,7 @@ class IdTable:
         )
         self._check_unpinned()
         self._reset()
-        self._rows.restore_prefix(flat.numel())
-        self._restore(sd)
+        self._steps.restore(*self._state.load(sd))
 
     def insert_at(
         self,
@@ -628,13 +515,10 @@ class IdTable:
         """
         flat, _ = self._as_ids(ids, "insert_at")
         flat_rows = self._as_rows(rows, "insert_at", allow_missing=False)
-        meta = self._state.checked_insert_at(flat, flat_rows, last_step=last_step, freq=freq, find=self._lookup)
-        if flat.numel() == 0:
-            return
-        self._rows.claim(flat_rows)
-        self._place(flat, flat_rows, step=self._step)
-        self._eviction.given(flat_rows, meta.get("last_step"), meta.get("freq"))
-        self._stats["inserts"] += flat.numel()
+        meta = self._state.checked_insert_at(flat, flat_rows, last_step=last_step, freq=freq, find=self._map.lookup)
+        if flat.numel():
+            self._state.insert_at(flat, flat_rows, meta, step=self._steps.step)
+            self._steps.count_inserts(flat.numel())
 
     # ------------------------------------------------------------------ publishing and serving
 
@@ -664,15 +548,9 @@ class IdTable:
 
         Returns:
             ChangeSnapshot: ids and rows ascending by row, the deleted ids ascending.
-
-        Example::
-
-            snap = table.snapshot_changes(full=False, exclude=owed_rows)
-            ...  # write snap.ids with their rows, and snap.deleted
-            table.commit_changes(snap, token="9f3a...")
         """
         self._check_usable()
-        return self._publishing.snapshot(full=full, exclude=exclude, find=self._lookup)
+        return self._publishing.snapshot(full=full, exclude=exclude, find=self._map.lookup)
 
     def commit_changes(self, snap: ChangeSnapshot, token: str) -> None:
         """The version holding ``snap`` (from :meth:`snapshot_changes`) is published as ``token``:
@@ -689,31 +567,24 @@ class IdTable:
         Raises:
             RuntimeError: the table's index is not FBGEMM's (not on CPU, or FBGEMM not loaded).
         """
-        if not isinstance(self._index, FbgemmSlotIndex):
+        index = self._map.index
+        if not isinstance(index, FbgemmSlotIndex):
             raise RuntimeError(f"IdTable '{self._name}': its index is {self.index_kind!r}, not FBGEMM's (CPU)")
-        return self._index.kernel_state()
+        return index.kernel_state()
 
     # ------------------------------------------------------------------ internals
 
     def _reset(self) -> None:
         """Every part fresh: no ids, a new index, clock and statistics at zero (the tracker too:
         the rows' ids are replaced wholesale, so the next version is full)."""
-        self._rows.reset()
-        self._index = make_slot_index(self._capacity, self._device, self._rows.row_id)
+        self._map.reset()
         self._pins.reset()
         self._eviction.reset()
         self._admission.reset()
         if self._scores is not None:
             self._scores.reset()
         self._publishing.reset()
-        self._step = 0
-        self._stats = dict.fromkeys(STAT_NAMES, 0)
-
-    def _restore(self, sd: dict[str, torch.Tensor]) -> None:
-        """Place a checked state's ids at its rows in a freshly reset table whose free rows are set,
-        then its metadata, counters, scores, clock and statistics."""
-        self._place(sd["ids"], sd["rows"], step=0)
-        self._step, self._stats = self._state.restore(sd)
+        self._steps.reset()
 
     def _check_unpinned(self) -> None:
         """Raise while some rows are pinned (a batch in flight holds them): nothing may replace them."""
@@ -732,37 +603,3 @@ class IdTable:
         check_usable(self._name, self._device)
         where = f"IdTable '{self._name}'.{op}"
         return checked_rows(rows, where, self._capacity, self._device, allow_missing=allow_missing)
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
-        n = ids.numel()
-        if n == 0 or self._rows.size == 0:
-            return torch.full((n,), -1, dtype=torch.int64, device=self._device)
-        return self._index.lookup(ids)
-
-    def _place(self, ids: torch.Tensor, rows: torch.Tensor, *, step: int) -> None:
-        """Store distinct new ids at free rows already taken (:meth:`RowAllocator.pop` or ``claim``)."""
-        stored = self._rows.size + ids.numel()
-        if not self._index.fits(stored):  # rebuild the index from the stored ids, grown first if needed
-            self._index.clear(stored)
-            held, at = self._rows.ids_and_rows()
-            if at.numel():
-                self._index.insert(held, at)
-        self._index.insert(ids, rows)
-        self._rows.occupy(ids, rows)
-        self._eviction.placed(rows, step)
-        if self._scores is not None:
-            self._scores.place(rows, torch.zeros(rows.numel(), dtype=torch.int64, device=self._device))
-        self._publishing.placed(rows)
-
-    def _free(self, rows: torch.Tensor) -> None:
-        """Remove the ids of distinct occupied ``rows``; the rows go back to the free stack."""
-        ids = self._rows.release(rows)
-        self._index.remove(ids, rows)
-        self._publishing.freed(rows, ids)
-
-    def _free_evicted(self, rows: torch.Tensor) -> None:
-        """Free the victims eviction chose (none: nothing), counted as evictions."""
-        if rows.numel():
-            self._free(rows)
-            self._stats["evictions"] += rows.numel()

@@ -132,4 +132,3 @@ class IdTableAdmission:
         p = self._policy.probability
         chance = 1.0 - torch.pow(torch.full_like(counts, 1.0 - p, dtype=torch.float64), counts.double())
         return uniform_draws(uniq, step, self._policy.seed) < chance
-

@@ -41,9 +41,7 @@ def checked_ids(ids: object, where: str, device: torch.device) -> tuple[torch.Te
     return ids.reshape(-1).to(device=device, dtype=torch.int64), ids.shape
 
 
-def checked_rows(
-    rows: object, where: str, capacity: int, device: torch.device, *, allow_missing: bool
-) -> torch.Tensor:
+def checked_rows(rows: object, where: str, capacity: int, device: torch.device, *, allow_missing: bool) -> torch.Tensor:
     """Rows as int64 ``[n]`` on ``device``, each in ``[0, capacity)`` (``[-1, capacity)`` with
     ``allow_missing``).
 

@@ -3,8 +3,25 @@
 What a table's state is as tensors (:meth:`IdTableState.state_dict`, assembled from what each of
 the table's parts gives of itself), how a state is checked (:meth:`IdTableState.checked`), how
 the ids and metadata of :meth:`IdTable.rebuild` and the pairs of :meth:`IdTable.insert_at` are
-checked, and how a checked state is written back into the parts (:meth:`IdTableState.restore`).
-A part of ``IdTable``: it calls the other parts' public methods, and the table places the ids.
+checked, and how a checked state is loaded into a freshly reset table's parts
+(:meth:`IdTableState.load`). A part of ``IdTable``: it calls the other parts' public methods.
+
+The keys (:data:`STATE_KEYS`):
+
+* ``capacity``, ``step``: scalars;
+* ``ids``, ``rows``, ``last_step``, ``freq``: one entry per stored id, ascending rows;
+* ``free_rows``: the free-row stack, bottom to top, under the rows never handed out
+  (``capacity - 1`` down to the high-water mark);
+* ``retired_rows``: free rows whose embedding holds a former id; ``reassigned_rows``: rows not
+  yet taken by :meth:`IdTable.take_reassigned_rows`;
+* ``admission_counters``: the count-min sketch (empty without one);
+* ``stats``: int64 ``[5]``, :data:`STAT_NAMES`;
+* ``scores`` (int64, one per stored id with :class:`ScoreEviction`, else empty) and
+  ``score_counters`` (the :class:`ScoreAdmission` sketch, else empty): show/click scores in fixed
+  point in the units of step ``score_ref`` (a scalar; see :mod:`~recsdk.embedding.id_table_scores`).
+  Optional on load, so states saved before scores existed still load.
+
+Pins are runtime state and are not saved.
 """
 
 from __future__ import annotations
@@ -16,14 +33,14 @@ import torch
 from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction
 from recsdk.embedding.id_table_scores import IdTableScores
+from recsdk.embedding.id_table_step import STAT_NAMES
 from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy
 from recsdk.embedding.row_allocator import RowAllocator
+from recsdk.embedding.row_map import RowMap
 from recsdk.embedding.row_states import INT32_MAX
 
-__all__ = ["STATE_KEYS", "STAT_NAMES", "IdTableState"]
+__all__ = ["STATE_KEYS", "IdTableState"]
 
-STAT_NAMES = ("inserts", "evictions", "admission_rejects", "lookups", "hits")
-"""The counters of ``stats`` in a state, in order."""
 STATE_KEYS = (
     "capacity",
     "ids",
@@ -53,8 +70,9 @@ class IdTableState:
         device (torch.device): the table's device.
         policies (tuple): the table's admission and eviction policies, for errors.
         rows (RowAllocator): the table's rows.
-        eviction (IdTableEviction): its eviction metadata.
+        row_map (RowMap): places the loaded ids.
         admission (IdTableAdmission): its admission counters.
+        eviction (IdTableEviction): its eviction metadata.
         scores (IdTableScores | None): its show/click scores.
 
     Example::
@@ -70,8 +88,9 @@ class IdTableState:
         device: torch.device,
         policies: tuple[AdmissionPolicy | None, EvictionPolicy | None],
         rows: RowAllocator,
-        eviction: IdTableEviction,
+        row_map: RowMap,
         admission: IdTableAdmission,
+        eviction: IdTableEviction,
         scores: IdTableScores | None,
     ) -> None:
         self._name = name
@@ -79,6 +98,7 @@ class IdTableState:
         self._device = device
         self._policies = policies
         self._rows = rows
+        self._map = row_map
         self._eviction = eviction
         self._admission = admission
         self._scores = scores
@@ -109,15 +129,27 @@ class IdTableState:
             **scores,
         }
 
-    def restore(self, sd: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
-        """Write a checked state's metadata, counters and scores into the parts, once its ids are
-        placed at its rows in a fresh table; returns its step clock and statistics."""
+    def load(self, sd: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
+        """Load a checked state (:meth:`checked`, or :meth:`checked_rebuild`: no free rows, so
+        ids at rows ``0..n-1`` and every other row retired) into the parts of a freshly reset
+        table; returns its step clock and statistics."""
         rows = sd["rows"]
+        if "free_rows" in sd:
+            self._rows.restore(sd["free_rows"], sd["retired_rows"], sd["reassigned_rows"])
+        else:
+            self._rows.restore_prefix(rows.numel())
+        self._map.place(sd["ids"], rows, step=0)
         self._eviction.restore(rows, sd["last_step"], sd["freq"])
         self._admission.restore(sd["admission_counters"])
         if self._scores is not None:
             self._scores.restore(rows, sd["scores"], sd["score_counters"], int(sd["score_ref"]))
         return int(sd["step"]), dict(zip(STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
+
+    def insert_at(self, ids: torch.Tensor, rows: torch.Tensor, meta: dict[str, torch.Tensor], *, step: int) -> None:
+        """Store pairs checked by :meth:`checked_insert_at` (``meta``: its result) at ``step``."""
+        self._rows.claim(rows)
+        self._map.place(ids, rows, step=step)
+        self._eviction.given(rows, meta.get("last_step"), meta.get("freq"))
 
     # ------------------------------------------------------------------ checks (read only)
 
