@@ -24,7 +24,7 @@ from torchrec.distributed.embeddingbag import replace_placement_with_meta_device
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
-from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import BaseTwEmbeddingSharding, TwPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 
 from recsdk.sharding import _torchrec_compat as compat
@@ -104,7 +104,15 @@ class HostRwPooledEmbeddingSharding(_HostGroupSharding, GlooRwPooledEmbeddingSha
         return OwnerSparseFeaturesDist(self._host_pg, compat.num_features(self))
 
 
-class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingSharding):
+class _HostTwSharding(_HostGroupSharding, BaseTwEmbeddingSharding):
+    """Table-wise, pooled or not: the id all-to-all sends every id of a table to the table's rank
+    over the host group."""
+
+    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
+        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
+
+
+class HostTwPooledEmbeddingSharding(_HostTwSharding, TwPooledEmbeddingSharding):
     """Table-wise sharding whose id all-to-all runs over the host group; its output dist is
     TorchRec's, able to carry the host stage's failure flag (:class:`FlagCarryingTwPooledEmbeddingDist`).
 
@@ -113,9 +121,6 @@ class HostTwPooledEmbeddingSharding(_HostGroupSharding, TwPooledEmbeddingShardin
             ``TwPooledEmbeddingSharding``.
         host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
     """
-
-    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
-        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
 
     def create_output_dist(self, device: torch.device | None = None) -> FlagCarryingTwPooledEmbeddingDist:
         return FlagCarryingTwPooledEmbeddingDist(**compat.tw_output_dist_kwargs(self, device))
@@ -137,7 +142,7 @@ class HostRwSequenceEmbeddingSharding(_HostGroupSharding, RwSequenceEmbeddingSha
         )
 
 
-class HostTwSequenceEmbeddingSharding(_HostGroupSharding, TwSequenceEmbeddingSharding):
+class HostTwSequenceEmbeddingSharding(_HostTwSharding, TwSequenceEmbeddingSharding):
     """Table-wise sharding of unpooled tables whose id all-to-all runs over the host group.
 
     Args:
@@ -145,9 +150,6 @@ class HostTwSequenceEmbeddingSharding(_HostGroupSharding, TwSequenceEmbeddingSha
             ``TwSequenceEmbeddingSharding``.
         host_pg (dist.ProcessGroup): the host (gloo) group for the id all-to-alls.
     """
-
-    def create_input_dist(self, device: torch.device | None = None) -> HostTwSparseFeaturesDist:
-        return HostTwSparseFeaturesDist(self._host_pg, self.features_per_rank())
 
 
 def check_host_sharding_types(plan: Mapping[str, ParameterSharding], module: str) -> None:
