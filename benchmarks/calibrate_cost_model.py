@@ -50,7 +50,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsdk.data.testing import run_distributed
 from recsdk.embedding import IdTable
 from recsdk.sharding import RowLedger, bucketize_by_owner
-from recsdk.sharding.host_stage import IdMappingStage, ShardInfo
+from recsdk.sharding.host.host_stage import IdMappingStage, ShardInfo
 
 POOLING = 4.0  # ids per bag of the host measurements (the benchmarks' default)
 

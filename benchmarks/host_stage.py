@@ -74,9 +74,9 @@ from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.sharding import get_default_hybrid_sharders, sharded_hash_modules
 from recsdk.sharding import host_shards as host_shards_module
 from recsdk.sharding import input_dist as input_dist_module
-from recsdk.sharding.host_shards import HostShards
-from recsdk.sharding.host_stage import IdMappingStage
-from recsdk.sharding.row_ledger import RowLedger
+from recsdk.sharding.host.host_shards import HostShards
+from recsdk.sharding.host.host_stage import IdMappingStage
+from recsdk.sharding.host.row_ledger import RowLedger
 
 NUM_DENSE = 13
 WARMUP_SCALE = 4  # the warm-up's batches are this many times larger

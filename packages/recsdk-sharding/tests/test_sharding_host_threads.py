@@ -15,7 +15,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from recsdk.data.testing import DistributedTestError, run_distributed
 from recsdk.embedding import CountAdmission, HashEmbeddingBagConfig, LRUEviction
 from recsdk.sharding import HybridEmbeddingEnumerator, get_default_hybrid_sharders
-from recsdk.sharding.table_workers import TableWorkers, default_host_threads
+from recsdk.sharding.host.table_workers import TableWorkers, default_host_threads
 
 
 def test_workers_return_each_result_or_exception_in_order_on_several_threads() -> None:

@@ -37,6 +37,7 @@ from recsdk.sharding.distribution.shardings import (
     HostTwPooledEmbeddingSharding,
     HostTwSequenceEmbeddingSharding,
 )
+from recsdk.sharding.host.row_ledger import RowLedger
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.planning.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
 from recsdk.sharding.planning.cost_model import (
@@ -50,7 +51,6 @@ from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator, IdTableS
 from recsdk.sharding.planning.sharding_planner import HybridEmbeddingShardingPlanner
 from recsdk.sharding.publishing.export import EXPORT_MANIFEST, export_embeddings
 from recsdk.sharding.publishing.publisher import Publisher, PublishRecord
-from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.row_cache import TableCache
 from recsdk.sharding.rows.row_store import FileRowStore, HostRowStore, RowStore
 from recsdk.sharding.rows.tbe_views import TableViews

@@ -1,7 +1,7 @@
 """``HostShardedModule``: the public face of a sharded hash module, and ``sharded_hash_modules``.
 
 Both adapters (``ShardedHashEmbeddingBagCollection``, ``ShardedHashEmbeddingCollection``)
-inherit it and set ``self._shards`` (their :class:`~recsdk.sharding.host_shards.HostShards`). It
+inherit it and set ``self._shards`` (their :class:`~recsdk.sharding.host.host_shards.HostShards`). It
 is what code outside a module uses of it: the accessors of checkpoints, export, publishing and
 statistics, and the pipeline's ``HostStagedModule`` protocol; each delegates to the parts.
 """
@@ -21,9 +21,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from recsdk.embedding import IdTable
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
-from recsdk.sharding.host_shards import HostShards
+from recsdk.sharding.host.host_shards import HostShards
+from recsdk.sharding.host.row_ledger import RowLedger
 from recsdk.sharding.planning.cache_plan import TableCacheSpec
-from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["HostShardedModule", "sharded_hash_modules"]

@@ -1,7 +1,7 @@
 """``ShardedHashEmbeddingBagCollection``: a HashEBC sharded row-wise or table-wise.
 
 A thin adapter between TorchRec's ``ShardedEmbeddingBagCollection`` and recsdk's host-side
-parts, composed by :class:`~recsdk.sharding.host_shards.HostShards`: the shardings
+parts, composed by :class:`~recsdk.sharding.host.host_shards.HostShards`: the shardings
 (:mod:`~recsdk.sharding.distribution.shardings`) bucket and exchange raw ids over the host group; the host
 stage maps them to rows; the row ledger keeps the rows of batches in flight and the resets they
 owe; the failure agreement makes a host-stage failure fail every rank; the CPU Adam. The device
@@ -25,8 +25,8 @@ from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.distribution.mean_pooling import MeanPooling
 from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
+from recsdk.sharding.host.host_shards import HostShards
 from recsdk.sharding.host_sharded_module import HostShardedModule
-from recsdk.sharding.host_shards import HostShards
 from recsdk.sharding.planning.cache_plan import kernel_inputs
 from recsdk.sharding.rows.host_adam import HostAdam
 
@@ -58,7 +58,7 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingBagCollection``.
         host_threads (int | None): how many tables of a batch the host stage maps at once
-            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
+            (``None``: :func:`~recsdk.sharding.host.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 The unpooled sibling of :class:`~recsdk.sharding.ShardedHashEmbeddingBagCollection`: a thin
 adapter between TorchRec's ``ShardedEmbeddingCollection`` and the same host-side parts
-(:class:`~recsdk.sharding.host_shards.HostShards`), with the sequence shardings of
+(:class:`~recsdk.sharding.host.host_shards.HostShards`), with the sequence shardings of
 :mod:`~recsdk.sharding.distribution.shardings`. Every id keeps its place: the owner looks its row up, and
 TorchRec's sequence output dist returns one embedding per id, in input order.
 """
@@ -21,8 +21,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from recsdk.embedding import HashEmbeddingCollection
 from recsdk.sharding.context import HashEmbeddingCollectionContext
 from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
+from recsdk.sharding.host.host_shards import HostShards
 from recsdk.sharding.host_sharded_module import HostShardedModule
-from recsdk.sharding.host_shards import HostShards
 from recsdk.sharding.planning.cache_plan import kernel_inputs
 from recsdk.sharding.rows.host_adam import HostAdam
 
@@ -51,7 +51,7 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingCollection``.
         host_threads (int | None): how many tables of a batch the host stage maps at once
-            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
+            (``None``: :func:`~recsdk.sharding.host.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(

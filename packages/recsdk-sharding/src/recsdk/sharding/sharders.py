@@ -20,10 +20,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection
 from recsdk.sharding import _torchrec_compat as compat
 from recsdk.sharding.distribution.shardings import HOST_SHARDING_TYPES, GlooRwPooledEmbeddingSharding
+from recsdk.sharding.host.table_workers import TableWorkers
 from recsdk.sharding.planning.cache_plan import CACHED_KERNELS
 from recsdk.sharding.sharded_hash_embedding_bag import ShardedHashEmbeddingBagCollection
 from recsdk.sharding.sharded_hash_embedding_collection import ShardedHashEmbeddingCollection
-from recsdk.sharding.table_workers import TableWorkers
 
 __all__ = [
     "HashEmbeddingBagCollectionSharder",
@@ -66,7 +66,7 @@ class _HostSharder:
     come from the id tables (or a cache's slots), never from the user, so FBGEMM's per-batch
     bounds check of them is off (``bounds_check_mode=BoundsCheckMode.NONE``) unless
     ``fused_params`` sets one. ``host_threads`` tables of a batch are mapped at once (default:
-    :func:`~recsdk.sharding.table_workers.default_host_threads` of the module's device).
+    :func:`~recsdk.sharding.host.table_workers.default_host_threads` of the module's device).
     """
 
     fused_params: dict[str, Any] | None
@@ -251,7 +251,7 @@ def get_default_hybrid_sharders(
         fused_params (dict | None): fused kernel parameters for every sharder.
         host_threads (int | None): how many tables of a batch the hash modules map at once
             (``None``: one on a CPU device, else this process's share of the host's cores, at
-            most 8; see :func:`~recsdk.sharding.table_workers.default_host_threads`).
+            most 8; see :func:`~recsdk.sharding.host.table_workers.default_host_threads`).
 
     Returns:
         list[ModuleSharder]: the sharders.

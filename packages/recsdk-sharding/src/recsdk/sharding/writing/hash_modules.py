@@ -22,8 +22,8 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable
 from recsdk.embedding.change_tracker import ChangeSnapshot
+from recsdk.sharding.host.row_ledger import RowLedger
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
-from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["HashModule", "hash_modules", "hash_weight_keys", "host_group", "root", "weight_key"]

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from recsdk.embedding import IdTable
-from recsdk.sharding.table_workers import TableWorkers
+from recsdk.sharding.host.table_workers import TableWorkers
 
 __all__ = ["RowLedger"]
 

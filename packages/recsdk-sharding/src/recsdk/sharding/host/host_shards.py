@@ -3,8 +3,8 @@
 Both sharded hash modules (the bag collection and the unpooled collection) are TorchRec sharded
 modules whose id work runs on the host. What they share is here, once: :class:`HostShards`
 composes the parts for one module: the input guard, the
-:class:`~recsdk.sharding.host_stage.IdMappingStage` (this rank's id tables), the
-:class:`~recsdk.sharding.row_ledger.RowLedger`, the :class:`~recsdk.sharding.FailureAgreement`
+:class:`~recsdk.sharding.host.host_stage.IdMappingStage` (this rank's id tables), the
+:class:`~recsdk.sharding.host.row_ledger.RowLedger`, the :class:`~recsdk.sharding.FailureAgreement`
 of the inline host stage, the fused kernel's views and the CPU Adam. Their public face, which
 both adapters inherit, is :class:`~recsdk.sharding.host_sharded_module.HostShardedModule`.
 
@@ -32,14 +32,14 @@ from recsdk.sharding.distribution.agreement import CarriedFlag, FailureAgreement
 from recsdk.sharding.distribution.input_guard import guard_input
 from recsdk.sharding.distribution.kjt_all_to_all import batch_flag
 from recsdk.sharding.distribution.output_dist import FlagCarrier
-from recsdk.sharding.host_stage import IdMappingStage
+from recsdk.sharding.host.host_stage import IdMappingStage
+from recsdk.sharding.host.row_ledger import RowLedger
+from recsdk.sharding.host.table_workers import TableWorkers, default_host_threads
 from recsdk.sharding.planning.cache_plan import TableCacheSpec
-from recsdk.sharding.row_ledger import RowLedger
 from recsdk.sharding.rows.host_adam import HostAdam
 from recsdk.sharding.rows.row_cache import TableCache
 from recsdk.sharding.rows.row_store import create_store
 from recsdk.sharding.rows.tbe_views import TableViews, fused_table_views, init_all_rows_, reset_rows_
-from recsdk.sharding.table_workers import TableWorkers, default_host_threads
 
 __all__ = ["HostShards"]
 
@@ -67,7 +67,7 @@ class HostShards:
         cached (dict[str, TableCacheSpec]): the tables with a device cache over a row store.
         module_fqn (str | None): the module's name in the model (the file stores' names).
         host_threads (int | None): how many tables of a batch the host stage maps at once
-            (``None``: :func:`~recsdk.sharding.table_workers.default_host_threads` of ``device``).
+            (``None``: :func:`~recsdk.sharding.host.table_workers.default_host_threads` of ``device``).
     """
 
     def __init__(

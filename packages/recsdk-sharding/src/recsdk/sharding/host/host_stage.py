@@ -4,7 +4,7 @@ Holds this rank's :class:`~recsdk.embedding.IdTable` per table shard and the loc
 them (the host thread maps batches ahead while the training thread pins, unpins and resets).
 It is independent of the module's pooling: a bag collection and an unpooled collection map ids
 the same way, and both hand the rows their mapping takes from evicted ids to the
-:class:`~recsdk.sharding.row_ledger.RowLedger`.
+:class:`~recsdk.sharding.host.row_ledger.RowLedger`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsdk.embedding import IdTable, TableFullError
 from recsdk.embedding.hash_tables import click_tables
-from recsdk.sharding.row_ledger import RowLedger
-from recsdk.sharding.table_workers import TableWorkers
+from recsdk.sharding.host.row_ledger import RowLedger
+from recsdk.sharding.host.table_workers import TableWorkers
 
 __all__ = ["IdMappingStage", "MappedBatch", "ShardInfo"]
 
