@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -98,6 +99,10 @@ def serve(
     flag = "1" if ingress == "haproxy" else "0"
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = flag
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = flag
+    # HAProxy's own metrics and stats listeners default to fixed ports (9101, 8404): a second
+    # server on the machine failed to start on them. Free ports instead.
+    os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
     # The replicas import the model's factory as this process does.
     paths = [p or os.getcwd() for p in sys.path] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
@@ -127,6 +132,12 @@ def serve(
         ray.shutdown()
         raise
     return RunningServer(url, None if metrics_port is None else f"http://{host}:{metrics_port}/metrics", board)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _wait_until_answering(url: str, timeout_s: float) -> None:
