@@ -16,6 +16,7 @@ held-out set and compares with the trainer's final eval scores (``--trainer-out`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,13 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dataset import make_data
+from dataset import HistoryBatch, make_data
 from model import DLRM, random_sequence_tables, random_tables
 from safetensors.torch import load_file
 from torchmetrics.classification import BinaryAUROC
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsdk.data import Batch
 from recsdk.embedding import latest_version
-from recsdk.serving import ServingModel
+from recsdk.serving import ModelSpec, ServingClient, ServingModel
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -44,6 +47,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the trainer's --seed")
     parser.add_argument("--no-history", action="store_true", help="the trainer's --no-history")
     parser.add_argument("--trainer-out", default="out/little_demo", help="the trainer's --out (its final eval scores)")
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="also start the server (python -m recsdk.serving serve, 1 replica) and score the held-out set through it",
+    )
     parser.add_argument("--interval-s", type=float, default=0.5, help="seconds between looks for new versions")
     parser.add_argument(
         "--timeout-s", type=float, default=900.0, help="give up when no new version comes for this long"
@@ -76,6 +84,68 @@ def scores_of(serving: ServingModel, batches: list[Any]) -> tuple[torch.Tensor, 
     return torch.cat(probs), torch.cat([batch.labels for batch in batches])
 
 
+_SPEC_ENV = "LITTLE_DEMO_SERVE"  # the server's replicas build the model from these flags
+
+
+def _model(dense_width: int, history: bool) -> DLRM:
+    return DLRM(
+        random_tables(),
+        dense_width,
+        torch.device("cpu"),
+        sequence_tables=random_sequence_tables(history=history),
+    )
+
+
+def demo_spec() -> ModelSpec:
+    """The server's factory (``--model serve:demo_spec``): the demo's DLRM; a request's KJT holds the
+    bag features, then the sequence features (split back into a ``HistoryBatch``)."""
+    bags, sequence, dense_width, history = os.environ[_SPEC_ENV].split(";")
+    n_bags = len(bags.split(","))
+
+    def predict(model: Any, sparse: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+        labels = torch.zeros(dense.shape[0])
+        if not sequence:
+            return model(Batch(dense, sparse, labels))[1][1]
+        bag, seq = sparse.split([n_bags, len(sparse.keys()) - n_bags])
+        return model(HistoryBatch(dense, bag, labels, seq))[1][1]
+
+    features = bags.split(",") + (sequence.split(",") if sequence else [])
+    return ModelSpec(_model(int(dense_width), history == "1"), features, int(dense_width), predict=predict)
+
+
+def through_server(args: argparse.Namespace, batches: list[Any]) -> tuple[torch.Tensor, int]:
+    """Start the server on the publish dir, score ``batches`` through its client; (scores, version)."""
+    from recsdk.data.testing import free_port
+    from recsdk.serving.server.launch import serve
+
+    first = batches[0]
+    sequence = getattr(first, "sequence_features", None)
+    os.environ[_SPEC_ENV] = ";".join(
+        [
+            ",".join(first.sparse_features.keys()),
+            "" if sequence is None else ",".join(sequence.keys()),
+            str(first.dense_features.shape[1]),
+            "0" if args.no_history else "1",
+        ]
+    )
+    server = serve(args.publish_dir, "serve:demo_spec", replicas=1, port=free_port())
+    try:
+        scores, versions = [], set()
+        with ServingClient(server.url) as client:
+            for b in batches:
+                kjt = b.sparse_features
+                if sequence is not None:
+                    kjt = KeyedJaggedTensor.concat([kjt, b.sequence_features])
+                got, version = client.score(kjt, b.dense_features)
+                scores.append(got)
+                versions.add(version)
+    finally:
+        server.shutdown()
+    if len(versions) != 1:
+        raise RuntimeError(f"the server answered from versions {sorted(versions)}, not one")
+    return torch.cat(scores), versions.pop()
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     metric = BinaryAUROC()
     metric.update(scores, labels.long())
@@ -95,12 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     held_out = held_out_set(args)
     window = max(1, len(held_out) // 4)
-    model = DLRM(
-        random_tables(),
-        len(held_out[0].dense_features[0]),
-        torch.device("cpu"),
-        sequence_tables=random_sequence_tables(history=not args.no_history),
-    )
+    model = _model(len(held_out[0].dense_features[0]), not args.no_history)
     print(f"serve: waiting for a version in {args.publish_dir}", flush=True)
     wait(lambda: latest_version(args.publish_dir) is not None, args, "version")
     serving = ServingModel(model, args.publish_dir)
@@ -125,7 +190,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     diff = float((scores - trained).abs().max())
     print(f"served {len(scores)} held-out samples at step {serving.step}: AUC {auc(scores, labels):.4f}")
     print(f"max |served - trainer's final eval| = {diff:.2e} (fp32 rows: at most 1e-6)")
-    return 0 if diff <= 1e-6 else 1
+    ok = diff <= 1e-6
+    if args.server:
+        remote, version = through_server(args, held_out)
+        same = version == serving.version and torch.equal(remote, scores)
+        print(
+            f"server (version {version}): {len(remote)} held-out samples, "
+            f"{'equal to' if same else 'DIFFERENT from'} the in-process scores "
+            f"(max |server - in-process| = {float((remote - scores).abs().max()):.2e})"
+        )
+        ok = ok and same
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
