@@ -24,10 +24,17 @@ lookup and output dist). Per layout one JSON line:
   that holds the GIL throughout (1.0 when exact) and on one large sort that releases it (0.0):
   on a busy machine it reads high);
 - ``parts_ms``: per part (``a/b`` is part of ``a``): ``input_checks``, ``bucketing``,
-  ``id_exchange``, ``mapping`` (``find_or_insert`` with ``admission`` and ``eviction``,
-  ``change_tracking``, ``row_indices``: building the KJTs of rows, ``ledger``: pinning the
+  ``id_exchange``, ``mapping`` (``find_or_insert`` with the index ``lookup``, ``admission``,
+  ``eviction`` (``choose``: the victims, ``free``: freeing them) and ``place``: new ids into their
+  rows; ``change_tracking``, ``row_indices``: building the KJTs of rows, ``ledger``: pinning the
   batch's rows), ``compute_host`` (before the lookup: ``ledger``, ``change_tracking``,
   ``copies`` to the device);
+- ``torch_calls_per_step``: the torch calls Python makes in the host work of a step (functions,
+  tensor methods and operators, ``torch.ops`` kernels; counted on the calling thread, so only with
+  ``--host-threads 1``), and ``torch_calls`` by part (a part's own calls, ``other``: outside the
+  parts). Each holds the GIL for a few microseconds of Python overhead, so on a GPU, where the
+  training thread needs the GIL to launch kernels, the count bounds how far the host work can
+  overlap it; unlike the times, it does not depend on the machine or its load;
 - ``bucketing_ms_at``: bucketing the step's ids for ``--bucket-ranks`` owners, in isolation (a
   rank of a bigger job does that much; with one rank nothing is bucketed);
 - the TorchRec baseline, measured in the same run: TorchRec's ``EmbeddingBagCollection`` on the
@@ -60,6 +67,7 @@ import torch
 import torch.distributed as dist
 from _common import DLRM, device_of, feature_names, remap_ids, shard
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -71,9 +79,13 @@ from recsdk.data.device import backend_for
 from recsdk.data.testing import free_port
 from recsdk.embedding import CountAdmission, HashEmbeddingBagCollection, HashEmbeddingBagConfig, IdTable, LRUEviction
 from recsdk.embedding.change_tracker import RowChangeTracker
+from recsdk.embedding.id_table_admission import IdTableAdmission
+from recsdk.embedding.id_table_eviction import IdTableEviction
+from recsdk.embedding.id_table_step import IdTableSteps
+from recsdk.embedding.row_map import RowMap
 from recsdk.sharding import get_default_hybrid_sharders, sharded_hash_modules
 from recsdk.sharding import host_shards as host_shards_module
-from recsdk.sharding import input_dist as input_dist_module
+from recsdk.sharding.distribution import input_dist as input_dist_module
 from recsdk.sharding.host.host_shards import HostShards
 from recsdk.sharding.host.host_stage import IdMappingStage
 from recsdk.sharding.host.row_ledger import RowLedger
@@ -84,24 +96,30 @@ PROBE_SWITCH_INTERVAL_S = 5e-5  # while the GIL probe spins (Python's default: 5
 
 
 class Parts:
-    """Thread time per named part, inclusive of the parts called inside it."""
+    """Thread time per named part, inclusive of the parts called inside it, and which parts the
+    main thread is inside now (``stack``, kept while ``on`` or ``tracking``)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.on = False
+        self.tracking = False
+        self.stack: list[str] = []
 
     def wrap(self, owner: Any, attr: str, name: str) -> None:
         """Time every call of ``owner.attr`` (a class's method or a module's function) as ``name``."""
         original = getattr(owner, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.on or threading.current_thread() is not threading.main_thread():
+            if not (self.on or self.tracking) or threading.current_thread() is not threading.main_thread():
                 return original(*args, **kwargs)
             start = time.thread_time()
+            self.stack.append(name)
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds[name] += time.thread_time() - start
+                self.stack.pop()
+                if self.on:
+                    self.seconds[name] += time.thread_time() - start
 
         setattr(owner, attr, timed)
 
@@ -125,10 +143,13 @@ def _instrument() -> None:
     w(input_dist_module, "bucketize_by_owner_with_permute", "bucketing")
     w(IdMappingStage, "map", "mapping")
     w(IdTable, "find_or_insert", "mapping/find_or_insert")
-    w(IdTable, "_admission_decision", "mapping/find_or_insert/admission")
-    w(IdTable, "_count_missing", "mapping/find_or_insert/admission.count")
-    w(IdTable, "_check_room", "mapping/find_or_insert/eviction")
-    w(IdTable, "_evict", "mapping/find_or_insert/eviction.evict")
+    w(RowMap, "lookup", "mapping/find_or_insert/lookup")
+    w(IdTableAdmission, "decide", "mapping/find_or_insert/admission")
+    w(IdTableAdmission, "count", "mapping/find_or_insert/admission.count")
+    w(IdTableEviction, "check_room", "mapping/find_or_insert/eviction")
+    w(IdTableEviction, "choose", "mapping/find_or_insert/eviction.choose")
+    w(IdTableSteps, "free_evicted", "mapping/find_or_insert/eviction.free")
+    w(RowMap, "place", "mapping/find_or_insert/place")
     w(RowChangeTracker, "placed", "change_tracking")
     w(RowChangeTracker, "freed", "change_tracking")
     w(RowChangeTracker, "changed", "change_tracking")
@@ -222,6 +243,46 @@ def _compute(module: Any, ctx: Any, mapped: Any, device: torch.device) -> None:
     del out
 
 
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch calls made from Python on the main thread (functions, tensor methods and
+    operators, ``torch.ops`` kernels; not attribute reads such as ``.shape``), by the innermost
+    part running (:class:`Parts`), while ``host_stage`` is set or a ``compute_host`` part runs,
+    outside ``device.resets``. Each such call holds the GIL for its Python overhead (microseconds),
+    whatever the kernel does after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = defaultdict(int)
+        self.host_stage = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        stack = PARTS.stack
+        if getattr(func, "__name__", "") != "__get__" and "device.resets" not in stack:
+            if self.host_stage or "compute_host" in stack:
+                self.counts[stack[-1] if stack else "other"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_torch_calls(module: Any, batches: list[Batch], device: torch.device) -> dict[str, Any]:
+    """Torch calls per step of the host stage and the compute's host part, in total and by part
+    (each part's own calls, not those of the parts inside it; ``other``: outside every part)."""
+    PARTS.tracking = True
+    try:
+        with TorchCalls() as calls:
+            for batch in batches:
+                calls.host_stage = True
+                ctx, mapped = _host_stage(module, batch.sparse_features)
+                calls.host_stage = False
+                _compute(module, ctx, mapped, device)
+    finally:
+        PARTS.tracking = False
+    steps = len(batches)
+    return {
+        "torch_calls_per_step": round(sum(calls.counts.values()) / steps),
+        "torch_calls": {k: round(v / steps) for k, v in sorted(calls.counts.items())},
+    }
+
+
 class Probe:
     """A thread that spins in Python and counts: how far it falls behind its rate alone is the
     time other threads held the GIL."""
@@ -271,8 +332,11 @@ def _spinning_probe() -> Iterator[tuple[Probe, float]]:
         sys.setswitchinterval(previous_interval)
 
 
-def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock: Any) -> dict[str, Any]:
-    """One round over ``batches``: host and device ms per step, the parts, the GIL held.
+def _measure_hash(
+    module: Any, batches: list[Batch], probed: list[Batch], device: torch.device, clock: Any
+) -> dict[str, Any]:
+    """One round: host and device ms per step and the parts over ``batches``, the GIL held over
+    ``probed`` (as many other batches: batches seen again would find their ids admitted).
 
     ``clock``: the core time to count (this thread's; the process's when tables map on several
     threads)."""
@@ -301,7 +365,7 @@ def _measure_hash(module: Any, batches: list[Batch], device: torch.device, clock
     wall = 0.0
     with _spinning_probe() as (probe, probe_rate):
         c0 = probe.count
-        for batch in batches:
+        for batch in probed:
             t0 = time.perf_counter()
             ctx, mapped = _host_stage(module, batch.sparse_features)
             wall += time.perf_counter() - t0
@@ -383,7 +447,8 @@ def _run(args: argparse.Namespace) -> None:
     dist.init_process_group(backend=backend_for(device), rank=0, world_size=1)
     host = ShardingEnv(world_size=1, rank=0, pg=dist.new_group(backend="gloo"))
     _instrument()
-    num = args.warmup + args.steps * args.rounds
+    # Every pass maps batches of its own: per round one chunk timed and one probed, then one counted.
+    num = args.warmup + args.steps * (2 * args.rounds + 1)
     batches = _batches(args, num)
     warmup = _batches(args, args.warmup, scale=WARMUP_SCALE, sample_seed=1)
     remapped = remap_ids([batches], feature_names(args.features))[0]
@@ -404,15 +469,18 @@ def _run(args: argparse.Namespace) -> None:
         rounds: list[dict[str, Any]] = []
         baseline: list[float] = []
         for r in range(args.rounds):
-            lo = args.warmup + r * args.steps
-            chunk = batches[lo : lo + args.steps]
+            lo = args.warmup + 2 * r * args.steps
+            chunk, probed = batches[lo : lo + args.steps], batches[lo + args.steps : lo + 2 * args.steps]
             clock = time.thread_time if args.host_threads == 1 else time.process_time
-            rounds.append(_measure_hash(hash_module, chunk, device, clock))
+            rounds.append(_measure_hash(hash_module, chunk, probed, device, clock))
             # TorchRec's input dist takes the batch on the device, where its pipeline copies it.
             kjts = [b.sparse_features.to(device) for b in remapped[lo : lo + args.steps]]
             baseline.append(_measure_input_dist(torchrec_module, kjts, device))
         stats = {n: t.stats() for n, t in hash_module.id_tables.items()}
-        measured_steps = 2 * args.rounds * args.steps  # each round's steps ran twice (timed, then probed)
+        calls: dict[str, Any] = {"torch_calls_per_step": None, "torch_calls": None}  # workers' calls: unseen
+        if args.host_threads == 1:
+            calls = _count_torch_calls(hash_module, batches[-args.steps :], device)
+        measured_steps = 2 * args.rounds * args.steps  # each round maps two chunks (timed, then probed)
         inserts = sum(stats[n]["inserts"] - stats_before[n]["inserts"] for n in stats) / measured_steps
         evictions = sum(stats[n]["evictions"] - stats_before[n]["evictions"] for n in stats) / measured_steps
         host_ms = statistics.median(r["host_ms_per_step"] for r in rounds)
@@ -436,6 +504,7 @@ def _run(args: argparse.Namespace) -> None:
             ),
             "device_ms_per_step": round(statistics.median(r["device_ms_per_step"] for r in rounds), 2),
             "parts_ms": parts,
+            **calls,
             "bucketing_ms_at": {
                 str(args.bucket_ranks): round(
                     _bucketing_at([b.sparse_features for b in batches[:3]], args.bucket_ranks), 2
