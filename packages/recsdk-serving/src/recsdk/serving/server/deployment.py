@@ -20,8 +20,6 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from recsdk.serving.server.metrics import ReplicaMetrics
 from recsdk.serving.server.model_spec import build_spec
 from recsdk.serving.server.replica import Answer, Replica
@@ -69,11 +67,12 @@ class ServingDeployment:
         model (str): ``package.module:factory`` returning a :class:`ModelSpec`.
         root (str): the publisher's root.
         poll_s (float): seconds between looks for new versions.
-        threads (int): torch intra-op threads of this replica.
+
+    Its torch intra-op threads are set where Ray starts the replica's process
+    (:func:`~recsdk.serving.server.launch.serve`: ``OMP_NUM_THREADS`` in its runtime environment).
     """
 
-    def __init__(self, model: str, root: str, poll_s: float, threads: int) -> None:
-        torch.set_num_threads(threads)
+    def __init__(self, model: str, root: str, poll_s: float) -> None:
         self._id = serve.get_replica_context().replica_id.unique_id
         self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
         self._metrics = ReplicaMetrics(self._id)

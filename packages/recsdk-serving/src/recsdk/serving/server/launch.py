@@ -123,7 +123,11 @@ def serve(
     try:
         board = HealthBoard.options(name=BOARD_NAME, namespace=BOARD_NAMESPACE).remote(replicas)  # type: ignore[attr-defined]
         ray_serve.start(http_options={"host": host, "port": port})
-        app = ServingDeployment.options(num_replicas=replicas).bind(model, os.path.abspath(root), poll_s, threads)  # type: ignore[attr-defined]
+        # Each replica's torch threads: its process reads OMP_NUM_THREADS when torch first runs.
+        actor = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+        app = ServingDeployment.options(num_replicas=replicas, ray_actor_options=actor).bind(  # type: ignore[attr-defined]
+            model, os.path.abspath(root), poll_s
+        )
         ray_serve.run(app, route_prefix="/", name="recsdk-serving")
         url = f"http://{host}:{port}"
         _wait_until_answering(url + "/live", timeout_s=60.0)
