@@ -130,14 +130,19 @@ def _predict_in_process(serving: ServingModel, b: Batch) -> torch.Tensor:
     return serving.on_one_version(_predict, b.sparse_features, b.dense_features)[1]
 
 
-def _round_trips(client: ServingClient, bodies: list[bytes], content_type: str) -> list[float]:
+def _round_trips(
+    client: ServingClient, bodies: list[bytes], content_type: str, versions: set[int] | None = None
+) -> list[float]:
+    """Seconds of each request's round trip; the versions that answered are added to ``versions``."""
     out = []
     for body in bodies:
         start = time.perf_counter()
-        status, _, answer = client.request("POST", "/score", body, content_type)
+        status, headers, answer = client.request("POST", "/score", body, content_type)
         out.append(time.perf_counter() - start)
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {answer[:300]!r}")
+        if versions is not None:
+            versions.add(int(headers.get("x-recsdk-version", -1)))
     return out
 
 
@@ -242,13 +247,7 @@ def _while_versions_apply(
         versions: set[int] = set()
         deadline = time.monotonic() + args.deltas * args.delta_every_s + 2.0
         while time.monotonic() < deadline:
-            for body in bodies:
-                start = time.perf_counter()
-                status, headers, answer = client.request("POST", "/score", body, content_type)
-                busy.append(time.perf_counter() - start)
-                if status != 200:
-                    raise RuntimeError(f"HTTP {status} while versions applied: {answer[:300]!r}")
-                versions.add(int(headers.get("x-recsdk-version", -1)))
+            busy += _round_trips(client, bodies, content_type, versions)
         stop.set()
         publisher.join()
     _emit(
