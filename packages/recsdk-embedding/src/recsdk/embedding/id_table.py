@@ -12,8 +12,10 @@
 * :class:`~recsdk.embedding.id_table_admission.IdTableAdmission`: the count sketch;
 * :class:`~recsdk.embedding.id_table_scores.IdTableScores`: show/click scores;
 * :class:`~recsdk.embedding.id_table_publishing.IdTablePublishing`: the change tracker, a
-  version's snapshot and commit;
-* :class:`~recsdk.embedding.id_table_state.IdTableState`: the state format;
+  version's snapshot and commit (the work of the publishing methods);
+* :class:`~recsdk.embedding.id_table_state.IdTableState`: the state format and the replacing of
+  the table's contents (the work of the restore family: ``state_dict``, ``load_state_dict``,
+  ``check_state_dict``, ``rebuild``, ``insert_at``);
 * :class:`~recsdk.embedding.id_table_step.IdTableSteps`: the step clock, the statistics and
   :meth:`IdTable.find_or_insert`'s two halves (what a step does, worked out before anything
   changes; then its commit).
@@ -28,23 +30,15 @@ import torch
 from recsdk.embedding.change_tracker import ChangeSnapshot, RowChangeTracker
 from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
-from recsdk.embedding.id_table_inputs import check_usable, checked_clicks, checked_ids, checked_rows
+from recsdk.embedding.id_table_inputs import check_table, check_usable, checked_clicks, checked_ids, checked_rows
 from recsdk.embedding.id_table_pins import IdTablePins
 from recsdk.embedding.id_table_publishing import IdTablePublishing
 from recsdk.embedding.id_table_scores import IdTableScores
 from recsdk.embedding.id_table_state import STATE_KEYS, IdTableState
 from recsdk.embedding.id_table_step import IdTableSteps
-from recsdk.embedding.policies import (
-    AdmissionPolicy,
-    EvictionPolicy,
-    ScoreAdmission,
-    ScoreEviction,
-    check_policies,
-    score_of,
-)
+from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy, check_policies
 from recsdk.embedding.row_allocator import RowAllocator
 from recsdk.embedding.row_map import RowMap
-from recsdk.embedding.row_states import MAX_CAPACITY
 from recsdk.embedding.slot_index import FbgemmSlotIndex
 
 __all__ = ["IdTable", "TableFullError"]
@@ -104,22 +98,12 @@ class IdTable:
         name: str = "id_table",
         report_first_use: bool = False,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"IdTable name must be a non-empty str, got {name!r}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int):
-            raise TypeError(f"IdTable '{name}': capacity must be an int, got {type(capacity).__name__}")
-        if not 1 <= capacity <= MAX_CAPACITY:
-            raise ValueError(f"IdTable '{name}': capacity must be in [1, {MAX_CAPACITY}], got {capacity}")
+        check_table(name, capacity)
         check_policies(f"IdTable '{name}'", admission, eviction)
         dev = torch.device(device)
         self._name, self._capacity, self._device = name, capacity, dev
         self._admission_policy, self._eviction_policy = admission, eviction
-        self._scores: IdTableScores | None = None  # show/click scores (ScoreAdmission, ScoreEviction)
-        score = score_of(admission, eviction)
-        if score is not None and dev.type != "meta":
-            score_admission = admission if isinstance(admission, ScoreAdmission) else None
-            per_row = isinstance(eviction, ScoreEviction)
-            self._scores = IdTableScores(score, capacity, dev, admission=score_admission, per_row=per_row)
+        self._scores = IdTableScores.for_policies(admission, eviction, capacity, dev)  # show/click scores
         self._rows = RowAllocator(capacity, dev, report_first_use=bool(report_first_use))
         self._pins = IdTablePins(name, capacity, dev)
         self._eviction = IdTableEviction(
@@ -129,8 +113,10 @@ class IdTable:
         self._publishing = IdTablePublishing(self._rows, capacity, dev)
         self._map = RowMap(self._rows, self._eviction, self._scores, self._publishing, capacity=capacity, device=dev)
         parts = (self._rows, self._map, self._admission, self._eviction, self._scores)
-        self._state = IdTableState(name, capacity, dev, (admission, eviction), *parts)
         self._steps = IdTableSteps(*parts, policy=eviction, capacity=capacity, device=dev)
+        self._state = IdTableState(
+            name, capacity, dev, (admission, eviction), *parts, self._pins, self._publishing, self._steps
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -294,8 +280,7 @@ class IdTable:
         rows = self._map.lookup(flat)
         present = rows[rows >= 0].unique()
         if present.numel():
-            if self._pins.any_pinned(present):
-                raise ValueError(f"IdTable '{self._name}': remove of ids whose rows are pinned; unpin them first")
+            self._pins.refuse_pinned(present, "remove")
             self._map.free(present)
         return rows.view(shape)
 
@@ -339,19 +324,14 @@ class IdTable:
         out.update(self._steps.counts())
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         if self._scores is not None and self._scores.per_row:
-            rows = self._rows.occupied_rows()
-            scores = self._scores.of_rows(rows, self._steps.step)
-            out["score_sum"] = float(scores.sum()) if rows.numel() else 0.0
-            out["score_min"] = float(scores.min()) if rows.numel() else 0.0
+            out.update(self._scores.totals(self._rows.occupied_rows(), self._steps.step))
         return out
 
     # ------------------------------------------------------------------ pins and eviction
 
     def pin(self, rows: torch.Tensor) -> None:
-        """Protect rows from eviction and reassignment (reference-counted, int32 counts).
-
-        Each occurrence of a row adds one reference; ``-1`` entries (ids not admitted) are ignored,
-        so the output of :meth:`find_or_insert` can be passed as is.
+        """Protect rows from eviction and reassignment: one reference per occurrence (int32 counts);
+        ``-1`` entries are ignored, so :meth:`find_or_insert`'s output can be passed as is.
 
         Args:
             rows (torch.Tensor): integer rows in ``[-1, capacity)``, any shape.
@@ -371,9 +351,8 @@ class IdTable:
         return self._pins.num_pinned(self._rows.high_water)
 
     def evict_idle(self, max_idle_steps: int | None = None) -> torch.Tensor:
-        """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep).
-
-        Does not advance the step clock. Rows used at the latest step are never idle.
+        """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep);
+        does not advance the step clock. Rows used at the latest step are never idle.
 
         Args:
             max_idle_steps (int | None): defaults to the table's :class:`TTLEviction` setting.
@@ -387,39 +366,35 @@ class IdTable:
         self._steps.free_evicted(rows)
         return rows
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (the work: IdTableState)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The table's full state as tensors (pins are runtime state and are not included).
 
-        Keys: :attr:`STATE_KEYS`; what each holds is written in :mod:`~recsdk.embedding.id_table_state`
-        (ids, rows and their metadata in ascending rows, the free rows, retired and reassigned rows,
-        admission counters, the step clock, statistics, and the show/click scores).
+        Returns:
+            dict[str, torch.Tensor]: keys :attr:`STATE_KEYS`; what each holds is written in
+            :mod:`~recsdk.embedding.id_table_state`.
         """
         self._check_usable()
-        return self._state.state_dict(step=self._steps.step, stats=self._steps.counts())
+        return self._state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Restore a state from :meth:`state_dict` of a table with the same capacity.
+        """Restore a state from :meth:`state_dict` of a table with the same capacity; checked first, so
+        on error the table is left unchanged (:meth:`IdTableState.load_state_dict`).
 
-        The slot layout is rebuilt from the ids. The state is validated first (as by
-        :meth:`check_state_dict`); on error the table is left unchanged.
+        Args:
+            state_dict (dict[str, torch.Tensor]): a state from :meth:`state_dict`.
 
         Raises:
             ValueError: missing keys, another capacity, inconsistent ids/rows, or counters of another size.
             RuntimeError: some rows of this table are pinned.
         """
         self._check_usable()
-        sd = self._state.checked(state_dict)
-        self._check_unpinned()
-        self._reset()
-        self._steps.restore(*self._state.load(sd))
+        self._state.load_state_dict(state_dict)
 
     def check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
-
-        Lets a caller that restores several tables (and their embeddings) validate every state
-        before it modifies any of them.
+        """Raise if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing (so a caller
+        can check every table's state before it modifies any; :meth:`IdTableState.checked`).
 
         Args:
             state_dict (dict[str, torch.Tensor]): a state from :meth:`state_dict`.
@@ -442,43 +417,25 @@ class IdTable:
         score_counters: torch.Tensor | None = None,
         score_ref: int | None = None,
     ) -> None:
-        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
-
-        For rebuilding a table from ids and their metadata gathered elsewhere (e.g. a checkpoint
-        loaded on another world size): id ``ids[i]`` gets row ``i`` with its ``last_step`` and
-        ``freq``. The other rows are free, handed out in ascending order, and each is reported by
-        :meth:`take_reassigned_rows` when handed to an id (its embedding row may hold another
-        model's values, so the caller re-initialises it). The step clock is set to ``step``, the
-        admission counters to ``admission_counters``, and the statistics start from zero. On
-        error the table is left unchanged.
+        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order; on error
+        the table is left unchanged (:meth:`IdTableState.rebuild`: the free rows, clock, statistics).
 
         Args:
             ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, ``n <= capacity``.
             last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
             freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
             step (int): the step clock, ``>= 0``.
-            admission_counters (torch.Tensor | None): the count-min sketch's counters (as in
-                :meth:`state_dict`); None or empty for a table without a sketch, and None resets
-                a sketch to zero.
-            scores (torch.Tensor | None): int64 ``[n]`` stored show/click scores of the ids (as in
-                :meth:`state_dict`), for :class:`ScoreEviction`; None: zeros.
+            admission_counters (torch.Tensor | None): the count-min sketch (as in :meth:`state_dict`); None: zeros.
+            scores (torch.Tensor | None): int64 ``[n]`` stored show/click scores; None: zeros.
             score_counters (torch.Tensor | None): the :class:`ScoreAdmission` sketch; None: zeros.
-            score_ref (int | None): the reference step of ``scores`` and ``score_counters`` (None: ``step``).
+            score_ref (int | None): the reference step of the scores (None: ``step``).
 
         Raises:
-            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size
-                or out of range.
+            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size or range.
             RuntimeError: some rows of this table are pinned.
-
-        Example::
-
-            table = IdTable(8, eviction=LRUEviction())
-            table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
-            table.find(torch.tensor([7, 42]))  # tensor([1, 0])
         """
-        flat, _ = self._as_ids(ids, "rebuild")
-        sd = self._state.checked_rebuild(
-            flat,
+        self._state.rebuild(
+            self._as_ids(ids, "rebuild")[0],
             last_step=last_step,
             freq=freq,
             step=step,
@@ -487,9 +444,6 @@ class IdTable:
             score_counters=score_counters,
             score_ref=score_ref,
         )
-        self._check_unpinned()
-        self._reset()
-        self._steps.restore(*self._state.load(sd))
 
     def insert_at(
         self,
@@ -499,10 +453,8 @@ class IdTable:
         last_step: torch.Tensor | None = None,
         freq: torch.Tensor | None = None,
     ) -> None:
-        """Store given ``(id, row)`` pairs, e.g. to rebuild a table from another one's ids.
-
-        Bypasses admission. The rows are not reported by :meth:`take_reassigned_rows`: the caller
-        provides their embedding values.
+        """Store given ``(id, row)`` pairs, bypassing admission; the rows are not reported by
+        :meth:`take_reassigned_rows` (:meth:`IdTableState.insert_at`).
 
         Args:
             ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
@@ -515,36 +467,27 @@ class IdTable:
         """
         flat, _ = self._as_ids(ids, "insert_at")
         flat_rows = self._as_rows(rows, "insert_at", allow_missing=False)
-        meta = self._state.checked_insert_at(flat, flat_rows, last_step=last_step, freq=freq, find=self._map.lookup)
-        if flat.numel():
-            self._state.insert_at(flat, flat_rows, meta, step=self._steps.step)
-            self._steps.count_inserts(flat.numel())
+        self._state.insert_at(flat, flat_rows, last_step=last_step, freq=freq)
 
-    # ------------------------------------------------------------------ publishing and serving
+    # ------------------------------------------------------------------ publishing (the work: IdTablePublishing)
 
     def track_changes(self) -> RowChangeTracker:
         """Track which rows change and which ids leave from now on, for versions published to
-        serving (:class:`~recsdk.embedding.change_tracker.RowChangeTracker`); idempotent.
-
-        The table stamps the rows it places ids in and frees; whoever trains the rows stamps those
-        (``table.changes.changed(rows)``). Replacing the table's state (:meth:`load_state_dict`,
-        :meth:`rebuild`) resets the tracker.
+        serving; idempotent (:meth:`IdTablePublishing.track`: who stamps which rows).
 
         Returns:
-            RowChangeTracker: the table's tracker.
+            RowChangeTracker: the table's tracker (reset when the table's state is replaced).
         """
         self._check_usable()
         return self._publishing.track()
 
     def snapshot_changes(self, *, full: bool, exclude: torch.Tensor | None = None) -> ChangeSnapshot:
-        """What the table's next published version holds; changes nothing but the tracker's epoch
-        (starts tracking first, as :meth:`track_changes`). Call under the lock that serialises
-        the table's other callers.
+        """What the table's next published version holds; changes nothing but the tracker's epoch.
+        Call under the lock that serialises the table's callers (:meth:`IdTablePublishing.snapshot`).
 
         Args:
             full (bool): every id (a full version), or only the changes since the last commit.
-            exclude (torch.Tensor | None): rows owed a reset: their ids are left out (and stay
-                changed for the next version).
+            exclude (torch.Tensor | None): rows owed a reset: their ids are left out (and stay changed).
 
         Returns:
             ChangeSnapshot: ids and rows ascending by row, the deleted ids ascending.
@@ -553,10 +496,13 @@ class IdTable:
         return self._publishing.snapshot(full=full, exclude=exclude, find=self._map.lookup)
 
     def commit_changes(self, snap: ChangeSnapshot, token: str) -> None:
-        """The version holding ``snap`` (from :meth:`snapshot_changes`) is published as ``token``:
-        its ids count as published from now on. Ids of ``snap`` whose rows changed hands since the
-        snapshot count as departed (the next version deletes them). Call under the same lock as
-        :meth:`snapshot_changes`."""
+        """The version holding ``snap`` (from :meth:`snapshot_changes`) is published as ``token``; call
+        under the same lock (:meth:`IdTablePublishing.commit`: which ids count as departed).
+
+        Args:
+            snap (ChangeSnapshot): the version's snapshot.
+            token (str): the published version's token.
+        """
         self._check_usable()
         self._publishing.commit(snap, token)
 
@@ -573,24 +519,6 @@ class IdTable:
         return index.kernel_state()
 
     # ------------------------------------------------------------------ internals
-
-    def _reset(self) -> None:
-        """Every part fresh: no ids, a new index, clock and statistics at zero (the tracker too:
-        the rows' ids are replaced wholesale, so the next version is full)."""
-        self._map.reset()
-        self._pins.reset()
-        self._eviction.reset()
-        self._admission.reset()
-        if self._scores is not None:
-            self._scores.reset()
-        self._publishing.reset()
-        self._steps.reset()
-
-    def _check_unpinned(self) -> None:
-        """Raise while some rows are pinned (a batch in flight holds them): nothing may replace them."""
-        pinned = self.num_pinned()
-        if pinned:
-            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {pinned} rows are pinned")
 
     def _check_usable(self) -> None:
         check_usable(self._name, self._device)

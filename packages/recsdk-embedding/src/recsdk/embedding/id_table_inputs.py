@@ -1,6 +1,6 @@
 """The checks an :class:`~recsdk.embedding.IdTable` makes of what its callers give it, at its public
-boundary and before any state changes: ids, rows, clicks, and a table that holds data at all (not
-one on the meta device). Each error names the table and the operation.
+boundary and before any state changes: its own arguments, ids, rows, clicks, and a table that holds
+data at all (not one on the meta device). Each error names the table and the operation.
 
 Example::
 
@@ -12,7 +12,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_usable", "checked_clicks", "checked_ids", "checked_rows"]
+from recsdk.embedding.row_states import MAX_CAPACITY
+
+__all__ = ["check_table", "check_usable", "checked_clicks", "checked_ids", "checked_rows"]
+
+
+def check_table(name: object, capacity: object) -> None:
+    """Raise unless ``name`` is a non-empty str and ``capacity`` an int in ``[1, MAX_CAPACITY]``.
+
+    Raises:
+        TypeError: ``capacity`` is not an int.
+        ValueError: an empty or non-str name, or a capacity out of range.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"IdTable name must be a non-empty str, got {name!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise TypeError(f"IdTable '{name}': capacity must be an int, got {type(capacity).__name__}")
+    if not 1 <= capacity <= MAX_CAPACITY:
+        raise ValueError(f"IdTable '{name}': capacity must be in [1, {MAX_CAPACITY}], got {capacity}")
 
 
 def check_usable(name: str, device: torch.device) -> None:

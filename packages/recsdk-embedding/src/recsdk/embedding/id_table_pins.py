@@ -87,6 +87,11 @@ class IdTablePins:
         """Whether one of int64 ``rows`` (in ``[0, capacity)``) is pinned."""
         return bool((self._pins[rows] > 0).any())
 
+    def refuse_pinned(self, rows: torch.Tensor, what: str) -> None:
+        """Raise ``ValueError`` (``what`` names the operation) if one of int64 ``rows`` is pinned."""
+        if self.any_pinned(rows):
+            raise ValueError(f"IdTable '{self._name}': {what} of ids whose rows are pinned; unpin them first")
+
     def _add(self, rows: torch.Tensor, delta: int) -> torch.Tensor:
         """Add ``delta`` to the count of each occurrence of ``rows`` (``-1`` entries go to the spare entry)."""
         idx = rows.masked_fill(rows < 0, self._capacity)

@@ -4,8 +4,10 @@ to serving.
 It owns the table's :class:`~recsdk.embedding.RowChangeTracker` (which rows changed and which
 ids left since the last published version; None until tracking starts), passes it the table's
 placements and frees, and makes a version's snapshot and commit from the tracker's rows and the
-ids the table's :class:`~recsdk.embedding.row_allocator.RowAllocator` holds at them. A part of
-``IdTable``: the table calls it under its caller's lock.
+ids the table's :class:`~recsdk.embedding.row_allocator.RowAllocator` holds at them: the work of
+:meth:`IdTable.track_changes`, :meth:`IdTable.snapshot_changes` and :meth:`IdTable.commit_changes`.
+A part of ``IdTable``: the table calls it under its caller's lock (the lock that serialises the
+table's other callers: a snapshot and its commit are made under it).
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ class IdTablePublishing:
         return self._tracker
 
     def track(self) -> RowChangeTracker:
-        """Start tracking (idempotent); returns the tracker."""
+        """Start tracking which rows change and which ids leave (idempotent); returns the tracker.
+
+        The table stamps the rows it places ids in and frees; whoever trains the rows stamps those
+        (``table.changes.changed(rows)``). Replacing the table's state (:meth:`IdTable.load_state_dict`,
+        :meth:`IdTable.rebuild`) resets the tracker (:meth:`reset`).
+        """
         if self._tracker is None:
             self._tracker = RowChangeTracker(self._capacity, self._device)
         return self._tracker
@@ -77,7 +84,8 @@ class IdTablePublishing:
         self, *, full: bool, exclude: torch.Tensor | None, find: Callable[[torch.Tensor], torch.Tensor]
     ) -> ChangeSnapshot:
         """What the table's next version holds; changes nothing but the tracker's epoch (tracking
-        starts first if it had not).
+        starts first if it had not, as :meth:`track`). Call under the lock that serialises the
+        table's other callers.
 
         Args:
             full (bool): every id (a full version), or only the changes since the last commit.
@@ -111,7 +119,9 @@ class IdTablePublishing:
         return ChangeSnapshot(full, ids, rows, deleted, tracker.close_epoch(), left_taken, excluded)
 
     def commit(self, snap: ChangeSnapshot, token: str) -> None:
-        """The version holding ``snap`` is published as ``token``. Ids of ``snap`` whose rows changed
-        hands since the snapshot count as departed (the next version deletes them)."""
+        """The version holding ``snap`` (from :meth:`snapshot`) is published as ``token``: its ids
+        count as published from now on. Ids of ``snap`` whose rows changed hands since the snapshot
+        count as departed (the next version deletes them). Call under the same lock as
+        :meth:`snapshot`."""
         ids_now, occupied = self._rows.occupants(snap.rows)
         self.track().published(snap, occupied & (ids_now == snap.ids), token)

@@ -34,7 +34,14 @@ import torch
 
 from recsdk.embedding.count_sketch import CountMinSketch
 from recsdk.embedding.lazy_memory import lazy_zeros
-from recsdk.embedding.policies import ScoreAdmission, ShowClickScore
+from recsdk.embedding.policies import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    ScoreAdmission,
+    ScoreEviction,
+    ShowClickScore,
+    score_of,
+)
 
 __all__ = ["SCORE_ONE", "IdTableScores", "StepUnits", "rebased"]
 
@@ -98,6 +105,23 @@ class IdTableScores:
             self.sketch = CountMinSketch(width, admission.num_hashes, _SKETCH_CAP, device, dtype=torch.int64)
             self.threshold = admission.threshold
         self._ref = 0
+
+    @classmethod
+    def for_policies(
+        cls,
+        admission: AdmissionPolicy | None,
+        eviction: EvictionPolicy | None,
+        capacity: int,
+        device: torch.device,
+    ) -> IdTableScores | None:
+        """The scores a table with these policies keeps: None unless one of them is by score (or on
+        the meta device); the sketch with :class:`ScoreAdmission`, per-row scores with
+        :class:`ScoreEviction`."""
+        score = score_of(admission, eviction)
+        if score is None or device.type == "meta":
+            return None
+        score_admission = admission if isinstance(admission, ScoreAdmission) else None
+        return cls(score, capacity, device, admission=score_admission, per_row=isinstance(eviction, ScoreEviction))
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held (for memory accounting)."""
@@ -187,6 +211,13 @@ class IdTableScores:
         """The scores at ``step`` (float64) of the ids at ``rows`` (score eviction). Reads only."""
         assert self.rows is not None
         return self.true_scores(self.rows[rows], step)
+
+    def totals(self, rows: torch.Tensor, step: int) -> dict[str, float]:
+        """``score_sum`` and ``score_min`` at ``step`` of the ids at ``rows`` (score eviction; 0.0
+        when ``rows`` is empty). Reads only."""
+        scores = self.of_rows(rows, step)
+        empty = not rows.numel()
+        return {"score_sum": 0.0 if empty else float(scores.sum()), "score_min": 0.0 if empty else float(scores.min())}
 
     def reset(self) -> None:
         """Forget every score (a fresh table)."""

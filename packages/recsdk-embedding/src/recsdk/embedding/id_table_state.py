@@ -1,10 +1,12 @@
 """``IdTableState``: the state format of an :class:`~recsdk.embedding.IdTable`, in one place.
 
-What a table's state is as tensors (:meth:`IdTableState.state_dict`, assembled from what each of
-the table's parts gives of itself), how a state is checked (:meth:`IdTableState.checked`), how
-the ids and metadata of :meth:`IdTable.rebuild` and the pairs of :meth:`IdTable.insert_at` are
-checked, and how a checked state is loaded into a freshly reset table's parts
-(:meth:`IdTableState.load`). A part of ``IdTable``: it calls the other parts' public methods.
+The work of the table's restore family (:meth:`IdTable.state_dict`, :meth:`IdTable.load_state_dict`,
+:meth:`IdTable.check_state_dict`, :meth:`IdTable.rebuild`, :meth:`IdTable.insert_at`): what a
+table's state is as tensors (assembled from what each of the table's parts gives of itself), how a
+state and the arguments of ``rebuild`` and ``insert_at`` are checked (read only: a refused call
+changes nothing), and how a checked state replaces the table's contents (every part reset, then
+loaded). A part of ``IdTable``: it calls the other parts' public methods; the table checks that it
+is usable and converts the ids and rows it is given.
 
 The keys (:data:`STATE_KEYS`):
 
@@ -26,14 +28,14 @@ Pins are runtime state and are not saved.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction
+from recsdk.embedding.id_table_pins import IdTablePins
+from recsdk.embedding.id_table_publishing import IdTablePublishing
 from recsdk.embedding.id_table_scores import IdTableScores
-from recsdk.embedding.id_table_step import STAT_NAMES
+from recsdk.embedding.id_table_step import STAT_NAMES, IdTableSteps
 from recsdk.embedding.policies import AdmissionPolicy, EvictionPolicy
 from recsdk.embedding.row_allocator import RowAllocator
 from recsdk.embedding.row_map import RowMap
@@ -62,7 +64,7 @@ _OPTIONAL_KEYS = ("scores", "score_counters", "score_ref")  # absent from states
 
 
 class IdTableState:
-    """The state format of one id table.
+    """The state format of one id table, and the replacing of its contents.
 
     Args:
         name (str): the table's name, for errors.
@@ -74,11 +76,15 @@ class IdTableState:
         admission (IdTableAdmission): its admission counters.
         eviction (IdTableEviction): its eviction metadata.
         scores (IdTableScores | None): its show/click scores.
+        pins (IdTablePins): its pins (nothing is replaced while a row is pinned).
+        publishing (IdTablePublishing): its change tracker (reset with the contents).
+        steps (IdTableSteps): its step clock and statistics.
 
     Example::
 
-        sd = state.state_dict(step=table.step, stats=counters)
-        checked = state.checked(sd)  # raises ValueError, changes nothing
+        sd = state.state_dict()
+        state.checked(sd)  # raises ValueError, changes nothing
+        state.load_state_dict(sd)
     """
 
     def __init__(
@@ -92,6 +98,9 @@ class IdTableState:
         admission: IdTableAdmission,
         eviction: IdTableEviction,
         scores: IdTableScores | None,
+        pins: IdTablePins,
+        publishing: IdTablePublishing,
+        steps: IdTableSteps,
     ) -> None:
         self._name = name
         self._capacity = capacity
@@ -102,9 +111,13 @@ class IdTableState:
         self._eviction = eviction
         self._admission = admission
         self._scores = scores
+        self._pins = pins
+        self._publishing = publishing
+        self._steps = steps
 
-    def state_dict(self, *, step: int, stats: dict[str, int]) -> dict[str, torch.Tensor]:
-        """The table's state (see :meth:`IdTable.state_dict`), at clock ``step`` with ``stats``."""
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The table's state, keys :data:`STATE_KEYS` (see the module docstring), at its step clock
+        and with its statistics; pins are runtime state and are not included."""
         ids, rows = self._rows.ids_and_rows()
         last_step, freq = self._eviction.metadata(rows)
         free = self._rows.free_state()
@@ -114,6 +127,7 @@ class IdTableState:
             if self._scores is not None
             else {"scores": empty, "score_counters": empty.clone(), "score_ref": torch.tensor(0, dtype=torch.int64)}
         )
+        stats = self._steps.counts()
         return {
             "capacity": torch.tensor(self._capacity, dtype=torch.int64),
             "ids": ids,
@@ -124,13 +138,128 @@ class IdTableState:
             "retired_rows": free["retired_rows"],
             "reassigned_rows": free["reassigned_rows"],
             "admission_counters": self._admission.counters(),
-            "step": torch.tensor(step, dtype=torch.int64),
+            "step": torch.tensor(self._steps.step, dtype=torch.int64),
             "stats": torch.tensor([stats[k] for k in STAT_NAMES], dtype=torch.int64),
             **scores,
         }
 
-    def load(self, sd: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
-        """Load a checked state (:meth:`checked`, or :meth:`checked_rebuild`: no free rows, so
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the table's contents by a state from :meth:`state_dict` of a table with the same
+        capacity. The state is checked first (:meth:`checked`); on error the table is left
+        unchanged. The slot layout is rebuilt from the ids; the change tracker is reset (the next
+        published version is full).
+
+        Raises:
+            ValueError: as :meth:`checked`.
+            RuntimeError: some rows of the table are pinned.
+        """
+        self._replace(self.checked(state_dict))
+
+    def rebuild(
+        self,
+        ids: torch.Tensor,
+        *,
+        last_step: torch.Tensor,
+        freq: torch.Tensor,
+        step: int,
+        admission_counters: torch.Tensor | None,
+        scores: torch.Tensor | None,
+        score_counters: torch.Tensor | None,
+        score_ref: int | None,
+    ) -> None:
+        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
+
+        For rebuilding a table from ids and their metadata gathered elsewhere (e.g. a checkpoint
+        loaded on another world size): id ``ids[i]`` gets row ``i`` with its ``last_step`` and
+        ``freq``. The other rows are free, handed out in ascending order, and each is reported by
+        :meth:`IdTable.take_reassigned_rows` when handed to an id (its embedding row may hold
+        another model's values, so the caller re-initialises it). The step clock is set to
+        ``step``, the admission counters to ``admission_counters``, and the statistics start from
+        zero. On error the table is left unchanged.
+
+        Args:
+            ids (torch.Tensor): int64 ``[n]`` distinct ids, ``n <= capacity``.
+            last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
+            freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
+            step (int): the step clock, ``>= 0``.
+            admission_counters (torch.Tensor | None): the count-min sketch's counters (as in
+                :meth:`state_dict`); None or empty for a table without a sketch, and None resets
+                a sketch to zero.
+            scores (torch.Tensor | None): int64 ``[n]`` stored show/click scores of the ids (as in
+                :meth:`state_dict`), for :class:`ScoreEviction`; None: zeros.
+            score_counters (torch.Tensor | None): the :class:`ScoreAdmission` sketch; None: zeros.
+            score_ref (int | None): the reference step of ``scores`` and ``score_counters`` (None: ``step``).
+
+        Raises:
+            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size
+                or out of range.
+            RuntimeError: some rows of the table are pinned.
+
+        Example::
+
+            table = IdTable(8, eviction=LRUEviction())
+            table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
+            table.find(torch.tensor([7, 42]))  # tensor([1, 0])
+        """
+        sd = self._checked_rebuild(
+            ids,
+            last_step=last_step,
+            freq=freq,
+            step=step,
+            admission_counters=admission_counters,
+            scores=scores,
+            score_counters=score_counters,
+            score_ref=score_ref,
+        )
+        self._replace(sd)
+
+    def insert_at(
+        self, ids: torch.Tensor, rows: torch.Tensor, *, last_step: torch.Tensor | None, freq: torch.Tensor | None
+    ) -> None:
+        """Store given ``(id, row)`` pairs at the current step, bypassing admission; the rows are
+        not reported by :meth:`IdTable.take_reassigned_rows` (the caller provides their embedding
+        values). Checked first: on error the table is left unchanged.
+
+        Args:
+            ids (torch.Tensor): int64 ``[n]`` distinct ids, none already in the table.
+            rows (torch.Tensor): int64 ``[n]`` distinct free rows in ``[0, capacity)``.
+            last_step (torch.Tensor | None): int ``[n]`` step each id was last used; None: the current step.
+            freq (torch.Tensor | None): int ``[n]`` LFU frequencies; None: 1.
+
+        Raises:
+            ValueError: on any of the conditions above.
+        """
+        meta = self._checked_insert_at(ids, rows, last_step=last_step, freq=freq)
+        if ids.numel():
+            self._rows.claim(rows)
+            self._map.place(ids, rows, step=self._steps.step)
+            self._eviction.given(rows, meta.get("last_step"), meta.get("freq"))
+            self._steps.count_inserts(ids.numel())
+
+    # ------------------------------------------------------------------ replacing the contents
+
+    def _replace(self, sd: dict[str, torch.Tensor]) -> None:
+        """Replace the table's contents by a checked state (refused while rows are pinned)."""
+        pinned = self._pins.num_pinned(self._rows.high_water)
+        if pinned:
+            raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {pinned} rows are pinned")
+        self._reset()
+        self._steps.restore(*self._load(sd))
+
+    def _reset(self) -> None:
+        """Every part fresh: no ids, a new index, clock and statistics at zero (the tracker too:
+        the rows' ids are replaced wholesale, so the next version is full)."""
+        self._map.reset()
+        self._pins.reset()
+        self._eviction.reset()
+        self._admission.reset()
+        if self._scores is not None:
+            self._scores.reset()
+        self._publishing.reset()
+        self._steps.reset()
+
+    def _load(self, sd: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
+        """Load a checked state (:meth:`checked`, or :meth:`_checked_rebuild`: no free rows, so
         ids at rows ``0..n-1`` and every other row retired) into the parts of a freshly reset
         table; returns its step clock and statistics."""
         rows = sd["rows"]
@@ -144,12 +273,6 @@ class IdTableState:
         if self._scores is not None:
             self._scores.restore(rows, sd["scores"], sd["score_counters"], int(sd["score_ref"]))
         return int(sd["step"]), dict(zip(STAT_NAMES, (int(v) for v in sd["stats"].tolist()), strict=True))
-
-    def insert_at(self, ids: torch.Tensor, rows: torch.Tensor, meta: dict[str, torch.Tensor], *, step: int) -> None:
-        """Store pairs checked by :meth:`checked_insert_at` (``meta``: its result) at ``step``."""
-        self._rows.claim(rows)
-        self._map.place(ids, rows, step=step)
-        self._eviction.given(rows, meta.get("last_step"), meta.get("freq"))
 
     # ------------------------------------------------------------------ checks (read only)
 
@@ -230,7 +353,7 @@ class IdTableState:
             "score_ref": sd["score_ref"],
         }
 
-    def checked_rebuild(
+    def _checked_rebuild(
         self,
         ids: torch.Tensor,
         *,
@@ -242,11 +365,11 @@ class IdTableState:
         score_counters: torch.Tensor | None,
         score_ref: int | None,
     ) -> dict[str, torch.Tensor]:
-        """Validate :meth:`IdTable.rebuild`'s arguments (``ids``: int64 ``[n]``); returns them as a
+        """Validate :meth:`rebuild`'s arguments (``ids``: int64 ``[n]``); returns them as a
         checked state of ids at rows ``0..n-1`` (no free rows: the caller sets them).
 
         Raises:
-            ValueError: as :meth:`IdTable.rebuild`.
+            ValueError: as :meth:`rebuild`.
         """
         n, cap = ids.numel(), self._capacity
         where = f"IdTable '{self._name}'.rebuild"
@@ -297,23 +420,14 @@ class IdTableState:
             "score_ref": torch.tensor(step if score_ref is None else score_ref, dtype=torch.int64),
         }
 
-    def checked_insert_at(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        *,
-        last_step: torch.Tensor | None,
-        freq: torch.Tensor | None,
-        find: Callable[[torch.Tensor], torch.Tensor],
+    def _checked_insert_at(
+        self, ids: torch.Tensor, rows: torch.Tensor, *, last_step: torch.Tensor | None, freq: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
-        """Validate :meth:`IdTable.insert_at`'s pairs (int64 ``ids [n]``, ``rows [n]`` in range);
-        returns the given metadata as int32 (keys ``last_step``, ``freq`` where given).
-
-        Args:
-            find (Callable): the table's lookup of ids (rows, ``-1`` where absent; reads only).
+        """Validate :meth:`insert_at`'s pairs (int64 ``ids [n]``, ``rows [n]`` in range); returns
+        the given metadata as int32 (keys ``last_step``, ``freq`` where given).
 
         Raises:
-            ValueError: as :meth:`IdTable.insert_at`.
+            ValueError: as :meth:`insert_at`.
         """
         where = f"IdTable '{self._name}'"
         n = ids.numel()
@@ -334,7 +448,7 @@ class IdTableState:
             raise ValueError(f"{where}: insert_at ids must be distinct")
         if rows.unique().numel() != n:
             raise ValueError(f"{where}: insert_at rows must be distinct")
-        present = find(ids) >= 0
+        present = self._map.lookup(ids) >= 0
         if bool(present.any()):
             raise ValueError(f"{where}: insert_at id {int(ids[present][0])} is already in the table; remove it first")
         _, taken = self._rows.occupants(rows)
