@@ -19,7 +19,7 @@ interleaving the sizes and taking the median over ``--repeats``:
 No ``--device``: it trains no model; the constants it measures are the host's (CPU kernels, gloo).
 
 Prints one JSON line per constant (``constant``, ``value``, ``unit``, and the fit's points), the
-median over ranks; paste the values into ``DEFAULT_COSTS`` in ``cost_model.py`` to re-calibrate.
+median over ranks; paste the values into ``DEFAULT_COSTS`` in ``planning/hybrid_costs.py`` to re-calibrate.
 
     python benchmarks/calibrate_cost_model.py [--repeats 15] [--rows 200000]
 """

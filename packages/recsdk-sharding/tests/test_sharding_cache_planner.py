@@ -19,8 +19,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from recsdk.data.testing import run_distributed
 from recsdk.sharding import HybridEmbeddingEnumerator, HybridPerfEstimator, HybridPerfModel, get_default_hybrid_sharders
+from recsdk.sharding.planning.cache_costs import MISS_RATE_FLOOR
 from recsdk.sharding.planning.cache_plan import cache_specs
-from recsdk.sharding.planning.cost_model import MISS_RATE_FLOOR
 from recsdk.sharding.planning.planner import cache_index_bytes, id_table_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -40,13 +40,8 @@ from recsdk.sharding.distribution.shardings import (
 from recsdk.sharding.host.row_ledger import RowLedger
 from recsdk.sharding.host_sharded_module import HostShardedModule, sharded_hash_modules
 from recsdk.sharding.planning.cache_plan import CACHED_KERNELS, DEFAULT_LOAD_FACTOR, TableCacheSpec, cache_specs
-from recsdk.sharding.planning.cost_model import (
-    DEFAULT_COSTS,
-    HybridCosts,
-    HybridPerfEstimator,
-    HybridPerfModel,
-    ShardCost,
-)
+from recsdk.sharding.planning.cost_model import HybridPerfEstimator, HybridPerfModel
+from recsdk.sharding.planning.hybrid_costs import DEFAULT_COSTS, HybridCosts, ShardCost
 from recsdk.sharding.planning.planner import HybridEmbeddingEnumerator, IdTableStorageEstimator, id_table_bytes
 from recsdk.sharding.planning.sharding_planner import HybridEmbeddingShardingPlanner
 from recsdk.sharding.publishing.export import EXPORT_MANIFEST, export_embeddings

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 # A sharding plan's shard layout (torch keeps these classes in the private ``_shard`` package;
-# TorchRec's ParameterSharding.sharding_spec takes them): for cache_plan and cost_model.
+# TorchRec's ParameterSharding.sharding_spec takes them): for cache_plan and cache_costs.
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 from torchrec.distributed.dist_data import KJTAllToAll, _get_recat
 from torchrec.distributed.embedding import EmbeddingCollectionContext

@@ -66,14 +66,9 @@ from recsdk.embedding import (
     slot_index,
 )
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.planning.cache_costs import as_fused, fused_row_bytes, option_cache, planned_cache
 from recsdk.sharding.planning.cache_plan import CACHED_KERNELS
-from recsdk.sharding.planning.cost_model import (
-    HybridPerfEstimator,
-    as_fused,
-    fused_row_bytes,
-    option_cache,
-    planned_cache,
-)
+from recsdk.sharding.planning.cost_model import HybridPerfEstimator
 from recsdk.sharding.rows.row_cache import TableCache
 
 __all__ = ["HybridEmbeddingEnumerator", "IdTableStorageEstimator", "cache_index_bytes", "id_table_bytes"]
@@ -123,7 +118,7 @@ class IdTableStorageEstimator(EmbeddingStorageEstimator):
     - ``fused``: TorchRec's estimate (the rows on the device);
     - ``fused_uvm_caching`` / ``key_value``: TorchRec's estimate of the ``fused`` kernel over the
       cache's rows (``ceil(load_factor x rows)``), the store's rows and optimizer state
-      (:func:`~recsdk.sharding.planning.cost_model.fused_row_bytes`) in DDR or SSD, and the cache's index
+      (:func:`~recsdk.sharding.planning.cache_costs.fused_row_bytes`) in DDR or SSD, and the cache's index
       (:func:`cache_index_bytes`) in DDR;
     - and the exact size of its id table (:func:`id_table_bytes`) in DDR.
 
