@@ -52,12 +52,26 @@ class Lane:
     Example::
 
         lanes = {True: Lane(), False: Lane()}  # by model.training
+        lane.read_from(iterator)
+        while lane.wants(ahead=2):
+            lane.steps.append(Step(batch=next(iterator), context=context))
     """
 
     steps: deque[Step] = field(default_factory=deque)
     iterator: Iterator[Any] | None = None
     exhausted: bool = False
     train_steps_seen: int = 0
+
+    def read_from(self, iterator: Iterator[Any]) -> None:
+        """Read from ``iterator`` from now on (another iterator than the last: not exhausted)."""
+        if iterator is not self.iterator:
+            self.iterator = iterator
+            self.exhausted = False
+
+    def wants(self, ahead: int) -> bool:
+        """Whether to read another batch: fewer than ``ahead`` batches wait behind the first, and
+        the iterator has not run dry."""
+        return len(self.steps) < 1 + ahead and not self.exhausted
 
 
 class Lanes:

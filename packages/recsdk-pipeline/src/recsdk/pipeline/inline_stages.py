@@ -8,6 +8,10 @@ module among them maps the ids in its own ``compute_and_output_dist``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from torchrec.distributed.types import ShardedModule
+
 from recsdk.pipeline._torchrec_compat import InputDists
 from recsdk.pipeline.host_staged import ModulePlan
 from recsdk.pipeline.in_flight import Step
@@ -43,6 +47,15 @@ class InlineStages:
     def adopt(self, plan: ModulePlan) -> None:
         """Run ``plan.inline``'s input dists from now on (after the model rewrite and each ``attach``)."""
         self._plan = plan
+
+    def run_first(self, modules: Sequence[ShardedModule], step: Step) -> None:
+        """The first batch, once the model is rewritten: every pipelined module's input dist
+        (``modules``: the host-staged ones too; the plan is made from what they build), started
+        and waited for here. The host stages then map their share
+        (:meth:`~recsdk.pipeline.host_stages.HostStages.map_first`)."""
+        with self._input_dists.scope():
+            self._input_dists.start(modules, step.batch, step.context)
+            self._input_dists.wait(step.context)
 
     def start(self, step: Step) -> None:
         """Start the step's inline input dists, once (nothing for a batch some rank could not

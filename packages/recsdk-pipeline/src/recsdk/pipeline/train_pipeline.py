@@ -19,6 +19,7 @@ agreements, the host stages pending, failed reads) and
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
@@ -55,10 +56,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
+def _check_bool(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` is a bool (or, if ``optional``, None)."""
+    if not isinstance(value, bool) and not (optional and value is None):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def _checked_device(model: object, optimizer: object, device: object) -> torch.device:
@@ -203,8 +204,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         _check_bool("execute_all_batches", execute_all_batches)
         _check_bool("apply_jit", apply_jit)
         _check_bool("return_loss", return_loss)
-        if host_thread is not None:
-            _check_bool("host_thread", host_thread)
+        _check_bool("host_thread", host_thread, optional=True)
         _check_pipe_n_batch(pipe_n_batch)
         super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches, apply_jit=apply_jit)
         self._return_loss = return_loss
@@ -215,9 +215,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         # The first failure of a batch (read, host stage or compute): nothing runs after it.
         self._failure: BaseException | None = None
         self._input_dists = InputDists(self)
-        # The host stage and the lookups share the CPU when the device is the CPU: a thread
-        # only takes turns with the calling one, and TorchRec's schedule is faster there.
-        host = device.type != "cpu" if host_thread is None else host_thread
+        host = device.type != "cpu" if host_thread is None else host_thread  # see the Args
         self._host = HostStages(self._input_dists, device, host)
         self._inline = InlineStages(self._input_dists)
 
@@ -230,8 +228,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
 
     @property
     def host_thread(self) -> bool:
-        """Whether host stages run on the background thread (else on the calling thread, on
-        TorchRec's schedule: the next batch's input dist runs during this batch's forward)."""
+        """Whether host stages run on the background thread (else on TorchRec's schedule, on the calling thread)."""
         return self._host.host_thread
 
     @property
@@ -257,18 +254,13 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         Raises:
             StopIteration: no batch is left (see ``execute_all_batches``).
             TypeError: the model's forward does not return ``(loss, output)``.
-            PeerFailureError: another rank's host stage failed for this batch, or its data
-                iterator raised instead of yielding it (this rank's own exception, from a
-                host stage or from ``dataloader_iter``, is raised as is): the sharded modules'
-                agreement's, or a :class:`~recsdk.pipeline.HostStageError` (the pipeline's).
-            RuntimeError: the pipeline is closed, or a batch failed earlier: its host stage,
-                its read from the data iterator or its forward, backward or optimizer step
-                (chained to that failure).
+            PeerFailureError: another rank's host stage or read of this batch failed (this
+                rank's own exception is raised as is; see the class docstring's failures).
+            RuntimeError: the pipeline is closed, or a batch failed earlier (its host stage,
+                read or compute; chained to that failure).
         """
         self._check_usable()
-        training = bool(self._tr_model.training)
-        lane = self._lanes.enter(training, self._train_steps, self._host.remap)
-        return self._advance(lane, training, dataloader_iter)
+        return self._advance(bool(self._tr_model.training), dataloader_iter)
 
     @property
     def batches_trained(self) -> int:
@@ -314,8 +306,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                 f"drain() trains the {len(lane.steps)} batches read ahead for training, but the model is in eval "
                 "mode; call model.train() first"
             )
-        lane = self._lanes.enter(True, self._train_steps, self._host.remap)
-        return [self._advance(lane, True, None) for _ in range(len(lane.steps))]
+        return [self._advance(True, None) for _ in range(len(lane.steps))]
 
     def _check_usable(self) -> None:
         if self._host.closed:
@@ -328,8 +319,10 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if not self._tr_attached:
             self.attach(self._tr_model)
 
-    def _advance(self, lane: Lane, training: bool, dataloader_iter: Iterator[In] | None) -> Any:
-        """Compute the lane's next batch, reading ahead from ``dataloader_iter`` first (None: no read)."""
+    def _advance(self, training: bool, dataloader_iter: Iterator[In] | None) -> Any:
+        """Compute the next batch of ``training``'s lane (entered here), reading ahead from
+        ``dataloader_iter`` first (None: no read)."""
+        lane = self._lanes.enter(training, self._train_steps, self._host.remap)
         # The previous batch's backward is done: release its rows now, on this thread and before
         # any host stage is submitted, so which rows a host stage may evict never depends on
         # thread timing.
@@ -347,16 +340,12 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
             if training:
                 self._tr_optimizer.zero_grad()
             self._tr_wait_for_data_dist(step.batch)
-            upcoming = lane.steps[1] if len(lane.steps) > 1 else None
-            if upcoming is not None and self._inline.refused(step):
-                upcoming = None  # the batch raises on every rank: no rank starts one after it
+            # A refused batch raises on every rank: no rank starts one after it.
+            upcoming = lane.steps[1] if len(lane.steps) > 1 and not self._inline.refused(step) else None
             if upcoming is not None:
                 self._start_inline(upcoming)
-            if training:
+            with contextlib.nullcontext() if training else torch.no_grad():
                 loss, output = self._forward(step.batch)
-            else:
-                with torch.no_grad():
-                    loss, output = self._forward(step.batch)
             if upcoming is not None:
                 self._inline.wait(upcoming)
             if step.read_error is not None:
@@ -393,7 +382,6 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         directly or handed to another pipeline.
         """
         if not self._host.closed:
-            self._host.quiesce()
             self._release_all()
             if self._tr_attached and self._tr_pipelined_modules:
                 self.detach()
@@ -411,7 +399,6 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         Each host-staged module's ``release_context(ctx)`` is called for each dropped
         batch's context, so that it can unpin the rows mapped for that batch.
         """
-        self._host.quiesce()
         self._release_all()
         super().reset()
 
@@ -431,12 +418,13 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         if self._tr_pipelined_modules:
             step = next(self._lanes.steps(), None)
             self._tr_rewrite(step.batch if step else None, step.context if step else self._tr_new_context())
-            self._tr_override_input_dist_forwards()
             self._adopt_modules()
 
     # ---- the calling thread -------------------------------------------------------------
 
     def _release_all(self) -> None:
+        """With the host thread idle, give back what every batch in flight holds and forget them."""
+        self._host.quiesce()
         self._host.drop(self._lanes.steps())
         self._lanes.clear()
 
@@ -446,11 +434,9 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
         A batch the iterator raises on is a failed host stage of that batch
         (:meth:`HostStages.read_failed`); nothing more is read after a failure.
         """
-        if dataloader_iter is not lane.iterator:
-            lane.iterator = dataloader_iter
-            lane.exhausted = False
+        lane.read_from(dataloader_iter)
         self._host.open()  # every rank's first progress(): collective
-        while len(lane.steps) < 1 + self._pipe_n_batch and not lane.exhausted:
+        while lane.wants(self._pipe_n_batch):
             if self._host.stopped:
                 return  # no batch after a failed one would ever compute
             try:
@@ -459,8 +445,7 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
                     batch = self._tr_copy_to_device(batch)
             except Exception as e:  # the user's iterator (or the copy) failed
                 rewritten = bool(self._tr_pipelined_modules)
-                context = self._tr_new_context()
-                lane.steps.append(self._failing(self._host.read_failed, e, context, rewritten=rewritten))
+                lane.steps.append(self._failing(self._host.read_failed, e, self._tr_new_context(), rewritten=rewritten))
                 return
             if batch is None:
                 lane.exhausted = True
@@ -478,27 +463,22 @@ class HybridTrainPipelineSparseDist(SparseDistPipelineBase[In, Out]):
     def _bootstrap(self, step: Step) -> None:
         """First batch: rewrite the model and run its whole input dist here, inline; then the
         host stages map their modules' share of it."""
-        context = step.context
-        self._tr_rewrite(step.batch, context)
-        with self._input_dists.scope():
-            self._input_dists.start(self._tr_pipelined_modules, step.batch, context)
-            self._input_dists.wait(context)
-        # The input dists exist now: swap in TorchRec's fused-splits forwards.
-        self._tr_override_input_dist_forwards()
+        self._tr_rewrite(step.batch, step.context)
+        self._inline.run_first(self._tr_pipelined_modules, step)
         self._adopt_modules()
         self._host.map_first(step)
         step.inline_started = True
 
     def _adopt_modules(self) -> None:
-        """Split the pipelined modules between the host stages and the inline schedule."""
+        """Once the input dists exist (after a rewrite): swap in TorchRec's fused-splits forwards,
+        and split the pipelined modules between the host stages and the inline schedule."""
+        self._tr_override_input_dist_forwards()
         plan = plan_modules(self._tr_pipelined_modules, device_groups(self._tr_model), self._host.host_thread)
         self._host.adopt(plan)
         self._inline.adopt(plan)
 
     def _start_inline(self, step: Step) -> None:
-        # Settled before the batch's first collective, also for a batch this rank could not
-        # read (it issues none): its peers may be in that agreement's message exchange.
-        self._host.settle_read(step)
+        self._host.settle_read(step)  # before the batch's first collective
         self._inline.start(step)
 
     def _failing(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
