@@ -201,16 +201,54 @@ class IdTableState:
             table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
             table.find(torch.tensor([7, 42]))  # tensor([1, 0])
         """
-        sd = self._checked_rebuild(
-            ids,
-            last_step=last_step,
-            freq=freq,
-            step=step,
-            admission_counters=admission_counters,
-            scores=scores,
-            score_counters=score_counters,
-            score_ref=score_ref,
-        )
+        n, cap = ids.numel(), self._capacity
+        where = f"IdTable '{self._name}'.rebuild"
+        if n > cap:
+            raise ValueError(f"{where}: {n} ids do not fit the table's capacity {cap}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT32_MAX:
+            raise ValueError(f"{where}: step must be an int in [0, {INT32_MAX}], got {step!r}")
+        meta = {}
+        for key, value in (("last_step", last_step), ("freq", freq)):
+            value = torch.as_tensor(value).reshape(-1).to(self._device)
+            if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
+                raise ValueError(f"{where}: {key} must be {n} integers (one per id), got {value.numel()} {value.dtype}")
+            if n and bool(((value < 0) | (value > INT32_MAX)).any()):
+                raise ValueError(f"{where}: {key} must be in [0, {INT32_MAX}]")
+            meta[key] = value.long()
+        if n and ids.unique().numel() != n:
+            raise ValueError(f"{where}: ids must be distinct")
+        have = self._admission.num_counters
+        if admission_counters is None:
+            counters = torch.zeros(have, dtype=torch.int32, device=self._device)
+        else:
+            counters = torch.as_tensor(admission_counters).reshape(-1)
+            if counters.numel() != have:
+                raise ValueError(
+                    f"{where}: {counters.numel()} admission counters given, this table's admission policy "
+                    f"{self._policies[0]} has {have}"
+                )
+        zeros = torch.zeros(0, dtype=torch.int64, device=self._device)
+        if self._scores is None:
+            scores = score_counters = zeros
+        else:
+            if scores is None:
+                scores = torch.zeros(n if self._scores.per_row else 0, dtype=torch.int64)
+            if score_counters is None:
+                score_counters = torch.zeros(self._scores.num_counters, dtype=torch.int64)
+            scores, score_counters = torch.as_tensor(scores).reshape(-1), torch.as_tensor(score_counters).reshape(-1)
+            self._scores.check_state(where, n, scores, score_counters, step if score_ref is None else score_ref, step)
+        sd = {
+            "ids": ids,
+            "rows": torch.arange(n, dtype=torch.int64, device=self._device),
+            "last_step": meta["last_step"],
+            "freq": meta["freq"],
+            "admission_counters": counters,
+            "step": torch.tensor(step, dtype=torch.int64),
+            "stats": torch.zeros(len(STAT_NAMES), dtype=torch.int64),
+            "scores": scores,
+            "score_counters": score_counters,
+            "score_ref": torch.tensor(step if score_ref is None else score_ref, dtype=torch.int64),
+        }
         self._replace(sd)
 
     def insert_at(
@@ -259,7 +297,7 @@ class IdTableState:
         self._steps.reset()
 
     def _load(self, sd: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
-        """Load a checked state (:meth:`checked`, or :meth:`_checked_rebuild`: no free rows, so
+        """Load a checked state (:meth:`checked`, or :meth:`rebuild`'s: no free rows, so
         ids at rows ``0..n-1`` and every other row retired) into the parts of a freshly reset
         table; returns its step clock and statistics."""
         rows = sd["rows"]
@@ -351,73 +389,6 @@ class IdTableState:
             "scores": scores,
             "score_counters": score_counters,
             "score_ref": sd["score_ref"],
-        }
-
-    def _checked_rebuild(
-        self,
-        ids: torch.Tensor,
-        *,
-        last_step: torch.Tensor,
-        freq: torch.Tensor,
-        step: int,
-        admission_counters: torch.Tensor | None,
-        scores: torch.Tensor | None,
-        score_counters: torch.Tensor | None,
-        score_ref: int | None,
-    ) -> dict[str, torch.Tensor]:
-        """Validate :meth:`rebuild`'s arguments (``ids``: int64 ``[n]``); returns them as a
-        checked state of ids at rows ``0..n-1`` (no free rows: the caller sets them).
-
-        Raises:
-            ValueError: as :meth:`rebuild`.
-        """
-        n, cap = ids.numel(), self._capacity
-        where = f"IdTable '{self._name}'.rebuild"
-        if n > cap:
-            raise ValueError(f"{where}: {n} ids do not fit the table's capacity {cap}")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT32_MAX:
-            raise ValueError(f"{where}: step must be an int in [0, {INT32_MAX}], got {step!r}")
-        meta = {}
-        for key, value in (("last_step", last_step), ("freq", freq)):
-            value = torch.as_tensor(value).reshape(-1).to(self._device)
-            if value.numel() != n or value.is_floating_point() or value.dtype == torch.bool:
-                raise ValueError(f"{where}: {key} must be {n} integers (one per id), got {value.numel()} {value.dtype}")
-            if n and bool(((value < 0) | (value > INT32_MAX)).any()):
-                raise ValueError(f"{where}: {key} must be in [0, {INT32_MAX}]")
-            meta[key] = value.long()
-        if n and ids.unique().numel() != n:
-            raise ValueError(f"{where}: ids must be distinct")
-        have = self._admission.num_counters
-        if admission_counters is None:
-            counters = torch.zeros(have, dtype=torch.int32, device=self._device)
-        else:
-            counters = torch.as_tensor(admission_counters).reshape(-1)
-            if counters.numel() != have:
-                raise ValueError(
-                    f"{where}: {counters.numel()} admission counters given, this table's admission policy "
-                    f"{self._policies[0]} has {have}"
-                )
-        zeros = torch.zeros(0, dtype=torch.int64, device=self._device)
-        if self._scores is None:
-            scores = score_counters = zeros
-        else:
-            if scores is None:
-                scores = torch.zeros(n if self._scores.per_row else 0, dtype=torch.int64)
-            if score_counters is None:
-                score_counters = torch.zeros(self._scores.num_counters, dtype=torch.int64)
-            scores, score_counters = torch.as_tensor(scores).reshape(-1), torch.as_tensor(score_counters).reshape(-1)
-            self._scores.check_state(where, n, scores, score_counters, step if score_ref is None else score_ref, step)
-        return {
-            "ids": ids,
-            "rows": torch.arange(n, dtype=torch.int64, device=self._device),
-            "last_step": meta["last_step"],
-            "freq": meta["freq"],
-            "admission_counters": counters,
-            "step": torch.tensor(step, dtype=torch.int64),
-            "stats": torch.zeros(len(STAT_NAMES), dtype=torch.int64),
-            "scores": scores,
-            "score_counters": score_counters,
-            "score_ref": torch.tensor(step if score_ref is None else score_ref, dtype=torch.int64),
         }
 
     def _checked_insert_at(
