@@ -21,9 +21,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from recsdk.embedding import IdTable
 from recsdk.embedding.change_tracker import ChangeSnapshot
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.adapter_construction import KernelPlan
 from recsdk.sharding.host.host_shards import HostShards
 from recsdk.sharding.host.row_ledger import RowLedger
-from recsdk.sharding.planning.cache_plan import TableCacheSpec
 from recsdk.sharding.rows.tbe_views import TableViews
 
 __all__ = ["HostShardedModule", "sharded_hash_modules"]
@@ -46,23 +46,22 @@ class HostShardedModule:
         torchrec_init: Callable[..., None],
         *,
         plan: dict[str, ParameterSharding],
-        kernel_module: Any,
-        kernel_plan: dict[str, ParameterSharding],
-        cached: dict[str, TableCacheSpec],
+        kernels: KernelPlan,
         device: torch.device | None,
         **kwargs: Any,
     ) -> None:
         """TorchRec's constructor (``torchrec_init``: the base class's ``__init__``) on the module
-        and plan as the kernels hold them (``cache_plan.kernel_inputs``); afterwards the module
-        keeps the user's ``plan`` as its ``module_sharding_plan`` (where the stores' rows are).
+        and plan as the kernels hold them (``kernels``: :func:`~recsdk.sharding.adapter_construction.plan_kernels`);
+        afterwards the module keeps the user's ``plan`` as its ``module_sharding_plan`` (where the
+        stores' rows are).
 
         The kernels' own initialisation draws random numbers by their size, so it runs under a
         forked generator: :class:`HostShards` initialises every row from the generator as it was
         before, and a cached table starts with the all-resident table's rows.
         """
         with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-            torchrec_init(module=kernel_module, table_name_to_parameter_sharding=kernel_plan, device=device, **kwargs)
-        if cached:
+            torchrec_init(module=kernels.module, table_name_to_parameter_sharding=kernels.plan, device=device, **kwargs)
+        if kernels.cached:
             self.module_sharding_plan = compat.user_sharding_plan(self, plan)
 
     @property

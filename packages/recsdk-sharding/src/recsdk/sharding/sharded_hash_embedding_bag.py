@@ -22,17 +22,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection
 from recsdk.sharding import _torchrec_compat as compat
+from recsdk.sharding.adapter_construction import HashModuleKind, compose_host_shards, plan_kernels
 from recsdk.sharding.context import HashEmbeddingBagCollectionContext
 from recsdk.sharding.distribution.mean_pooling import MeanPooling
-from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
-from recsdk.sharding.host.host_shards import HostShards
+from recsdk.sharding.distribution.shardings import create_host_sharding
 from recsdk.sharding.host_sharded_module import HostShardedModule
-from recsdk.sharding.planning.cache_plan import kernel_inputs
-from recsdk.sharding.rows.host_adam import HostAdam
 
 __all__ = ["ShardedHashEmbeddingBagCollection"]
 
 _PREFIX = "embedding_bags."
+_KIND = HashModuleKind("HashEmbeddingBagCollection", _PREFIX, pooled=True)
 
 
 class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCollection):
@@ -57,8 +56,8 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         host_env (ShardingEnv): the host env; its group must be gloo.
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingBagCollection``.
-        host_threads (int | None): how many tables of a batch the host stage maps at once
-            (``None``: :func:`~recsdk.sharding.host.table_workers.default_host_threads` of ``device``).
+        host_threads (int | None): how many tables of a batch the host stage maps at once (see
+            :class:`~recsdk.sharding.host.host_shards.HostShards`).
     """
 
     def __init__(
@@ -73,28 +72,27 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
         module_fqn: str | None = None,
         host_threads: int | None = None,
     ) -> None:
-        check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingBagCollection")
+        plan, configs = table_name_to_parameter_sharding, module.embedding_bag_configs()
+        kernels = plan_kernels(
+            _KIND,
+            module,
+            plan,
+            configs,
+            meta_copy=lambda c: HashEmbeddingBagCollection(tables=c, device="meta", is_weighted=module.is_weighted()),
+            grouped_infos=lambda m, p: ShardedEmbeddingBagCollection.create_grouped_sharding_infos(
+                m, p, _PREFIX, fused_params
+            ),
+            device=device,
+        )
         # Inputs of the base constructor's hooks (create_embedding_bag_sharding and
         # create_grouped_sharding_infos), which only read them.
         self._host_pg = host_env.process_group
-        # Cached tables: TorchRec builds their kernels with the cache's rows (cache_plan.py).
-        kernel_module, kernel_plan, cached = kernel_inputs(
-            module,
-            table_name_to_parameter_sharding,
-            module.embedding_bag_configs(),
-            lambda c: HashEmbeddingBagCollection(tables=c, device="meta", is_weighted=module.is_weighted()),
-        )
-        infos = ShardedEmbeddingBagCollection.create_grouped_sharding_infos(
-            kernel_module, kernel_plan, _PREFIX, fused_params
-        )
-        self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
-        self._mean = MeanPooling(module.embedding_bag_configs())  # MEAN tables: SUM kernels, divided here
+        self._host_adam = kernels.host_adam
+        self._mean = MeanPooling(configs)  # MEAN tables: SUM kernels, divided here
         self._init_kernels(
             super().__init__,
-            plan=table_name_to_parameter_sharding,
-            kernel_module=kernel_module,
-            kernel_plan=kernel_plan,
-            cached=cached,
+            plan=plan,
+            kernels=kernels,
             env=env,
             fused_params=fused_params,
             device=device,
@@ -102,20 +100,16 @@ class ShardedHashEmbeddingBagCollection(HostShardedModule, ShardedEmbeddingBagCo
             module_fqn=module_fqn,
         )
         compat.disable_mean_pooling_callback(self)  # TorchRec's row-wise mean: MeanPooling's instead
-        self._shards = HostShards(
+        self._shards = compose_host_shards(
             self,
-            plan=table_name_to_parameter_sharding,
-            rank=env.rank,
-            host_pg=self._host_pg,
-            features=list(dict.fromkeys(f for c in module.embedding_bag_configs() for f in c.feature_names)),
-            name="HashEmbeddingBagCollection",
+            _KIND,
+            kernels,
+            configs=configs,
             is_weighted=module.is_weighted(),
-            host_adam=self._host_adam,
-            prefix=_PREFIX,
-            pooled=True,
+            plan=plan,
+            env=env,
+            host_pg=self._host_pg,
             device=device,
-            configs={c.name: c for c in module.embedding_bag_configs()},
-            cached=cached,
             module_fqn=module_fqn,
             host_threads=host_threads,
         )

@@ -19,16 +19,15 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsdk.embedding import HashEmbeddingCollection
+from recsdk.sharding.adapter_construction import HashModuleKind, compose_host_shards, plan_kernels
 from recsdk.sharding.context import HashEmbeddingCollectionContext
-from recsdk.sharding.distribution.shardings import check_host_sharding_types, create_host_sharding
-from recsdk.sharding.host.host_shards import HostShards
+from recsdk.sharding.distribution.shardings import create_host_sharding
 from recsdk.sharding.host_sharded_module import HostShardedModule
-from recsdk.sharding.planning.cache_plan import kernel_inputs
-from recsdk.sharding.rows.host_adam import HostAdam
 
 __all__ = ["ShardedHashEmbeddingCollection"]
 
 _PREFIX = "embeddings."
+_KIND = HashModuleKind("HashEmbeddingCollection", _PREFIX, pooled=False)
 
 
 class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollection):
@@ -50,8 +49,8 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         host_env (ShardingEnv): the host env; its group must be gloo.
         fused_params, device, qcomm_codecs_registry, module_fqn: as TorchRec's
             ``ShardedEmbeddingCollection``.
-        host_threads (int | None): how many tables of a batch the host stage maps at once
-            (``None``: :func:`~recsdk.sharding.host.table_workers.default_host_threads` of ``device``).
+        host_threads (int | None): how many tables of a batch the host stage maps at once (see
+            :class:`~recsdk.sharding.host.host_shards.HostShards`).
     """
 
     def __init__(
@@ -66,45 +65,40 @@ class ShardedHashEmbeddingCollection(HostShardedModule, ShardedEmbeddingCollecti
         module_fqn: str | None = None,
         host_threads: int | None = None,
     ) -> None:
-        check_host_sharding_types(table_name_to_parameter_sharding, "HashEmbeddingCollection")
+        plan, configs = table_name_to_parameter_sharding, module.embedding_configs()
+        kernels = plan_kernels(
+            _KIND,
+            module,
+            plan,
+            configs,
+            meta_copy=lambda c: HashEmbeddingCollection(tables=c, device="meta", need_indices=module.need_indices()),
+            grouped_infos=lambda m, p: ShardedEmbeddingCollection.create_grouped_sharding_infos(m, p, fused_params),
+            device=device,
+        )
         # Inputs of the base constructor's hooks (create_embedding_sharding and
         # create_grouped_sharding_infos), which only read them.
         self._host_pg = host_env.process_group
-        # Cached tables: TorchRec builds their kernels with the cache's rows (cache_plan.py).
-        kernel_module, kernel_plan, cached = kernel_inputs(
-            module,
-            table_name_to_parameter_sharding,
-            module.embedding_configs(),
-            lambda c: HashEmbeddingCollection(tables=c, device="meta", need_indices=module.need_indices()),
-        )
-        infos = ShardedEmbeddingCollection.create_grouped_sharding_infos(kernel_module, kernel_plan, fused_params)
-        self._host_adam = HostAdam.plan(infos, emulate=device is None or device.type == "cpu")  # no CPU Adam kernel
+        self._host_adam = kernels.host_adam
         self._init_kernels(
             super().__init__,
-            plan=table_name_to_parameter_sharding,
-            kernel_module=kernel_module,
-            kernel_plan=kernel_plan,
-            cached=cached,
+            plan=plan,
+            kernels=kernels,
             env=env,
             fused_params=fused_params,
             device=device,
             qcomm_codecs_registry=qcomm_codecs_registry,
             module_fqn=module_fqn,
         )
-        self._shards = HostShards(
+        self._shards = compose_host_shards(
             self,
-            plan=table_name_to_parameter_sharding,
-            rank=env.rank,
-            host_pg=self._host_pg,
-            features=list(dict.fromkeys(f for c in module.embedding_configs() for f in c.feature_names)),
-            name="HashEmbeddingCollection",
+            _KIND,
+            kernels,
+            configs=configs,
             is_weighted=False,
-            host_adam=self._host_adam,
-            prefix=_PREFIX,
-            pooled=False,
+            plan=plan,
+            env=env,
+            host_pg=self._host_pg,
             device=device,
-            configs={c.name: c for c in module.embedding_configs()},
-            cached=cached,
             module_fqn=module_fqn,
             host_threads=host_threads,
         )
