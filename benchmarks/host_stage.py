@@ -84,8 +84,8 @@ from recsdk.embedding.id_table_eviction import IdTableEviction
 from recsdk.embedding.id_table_step import IdTableSteps
 from recsdk.embedding.row_map import RowMap
 from recsdk.sharding import get_default_hybrid_sharders, sharded_hash_modules
-from recsdk.sharding import host_shards as host_shards_module
 from recsdk.sharding.distribution import input_dist as input_dist_module
+from recsdk.sharding.host import host_shards as host_shards_module
 from recsdk.sharding.host.host_shards import HostShards
 from recsdk.sharding.host.host_stage import IdMappingStage
 from recsdk.sharding.host.row_ledger import RowLedger

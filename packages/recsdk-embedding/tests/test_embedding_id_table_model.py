@@ -48,11 +48,20 @@ class Model:
         self.last: dict[int, int] = {}
         self.freq: dict[int, int] = {}
         self.pins: Counter[int] = Counter()
+        self.since: int | None = None  # IdTable.pin_since's watermark
         self.counts: dict[int, int] = {}
         self.retired: set[int] = set()
         self.pending: set[int] = set()
         self.step = 0
         self.stats = dict.fromkeys(["inserts", "evictions", "admission_rejects", "lookups", "hits"], 0)
+
+    def pinned(self, row: int) -> bool:
+        """A reference, or (with an eviction policy) a last use at or after the watermark."""
+        by_step = self.since is not None and self.eviction is not None and self.last[row] >= self.since
+        return self.pins[row] > 0 or by_step
+
+    def num_pinned(self) -> int:
+        return len({r for r, n in self.pins.items() if n > 0} | {r for r in self.row2id if self.pinned(r)})
 
     def free_rows(self) -> set[int]:
         return set(range(self.capacity)) - set(self.row2id)
@@ -67,7 +76,7 @@ class Model:
         return (self.last[row], row)
 
     def sweep(self, max_idle: int) -> list[int]:
-        rows = sorted(r for r in self.row2id if self.pins[r] == 0 and self.last[r] < self.step - max_idle)
+        rows = sorted(r for r in self.row2id if not self.pinned(r) and self.last[r] < self.step - max_idle)
         for r in rows:
             self._drop(r)
         self.stats["evictions"] += len(rows)
@@ -79,7 +88,7 @@ class Model:
         uniq = sorted({x for x in ids if x not in self.id2row})
         admitted = [x for x in uniq if self.counts.get(x, 0) + 1 >= self.threshold]
         free = self.capacity - len(self.row2id)
-        evictable = [r for r in self.row2id if self.pins[r] == 0 and r not in hit_rows]
+        evictable = [r for r in self.row2id if not self.pinned(r) and r not in hit_rows]
         fits = len(admitted) <= free or (self.eviction is not None and len(admitted) <= free + len(evictable))
         if not fits:
             before = table.state_dict()
@@ -110,7 +119,7 @@ class Model:
         self.stats["admission_rejects"] += len(uniq) - len(admitted)
         shortfall = len(admitted) - (self.capacity - len(self.row2id))
         if shortfall > 0:
-            candidates = sorted((r for r in self.row2id if self.pins[r] == 0 and r not in hit_rows), key=self._key)
+            candidates = sorted((r for r in self.row2id if not self.pinned(r) and r not in hit_rows), key=self._key)
             for r in candidates[:shortfall]:
                 self._drop(r)
             self.stats["evictions"] += shortfall
@@ -181,6 +190,12 @@ class IdTableMachine(RuleBasedStateMachine):
         self.table.unpin(torch.tensor(rows, dtype=torch.int32))
         self.model.pins.subtract(r for r in rows if r >= 0)
 
+    @rule(data=st.data())
+    def pin_since(self, data: st.DataObject) -> None:
+        step = data.draw(st.one_of(st.none(), st.integers(0, self.model.step + 1)))
+        self.table.pin_since(step)
+        self.model.since = step
+
     @rule()
     def take_reassigned(self) -> None:
         assert self.table.take_reassigned_rows().tolist() == sorted(self.model.pending)
@@ -198,6 +213,7 @@ class IdTableMachine(RuleBasedStateMachine):
         t = self.table
         fresh = IdTable(t.capacity, admission=t.admission, eviction=t.eviction, name=t.name)
         fresh.load_state_dict(t.state_dict())
+        self.model.since = None  # the watermark is runtime state, not in the state dict
         assert fresh.stats() == t.stats() and fresh.step == t.step
         for a, b in zip(fresh.ids_and_rows(), t.ids_and_rows(), strict=True):
             assert torch.equal(a, b)
@@ -213,6 +229,7 @@ class IdTableMachine(RuleBasedStateMachine):
         expected["hit_rate"] = m.stats["hits"] / m.stats["lookups"] if m.stats["lookups"] else 0.0
         assert self.table.stats() == expected
         assert self.table.step == m.step
+        assert self.table.num_pinned() == m.num_pinned()
 
 
 IdTableMachine.TestCase.settings = settings(

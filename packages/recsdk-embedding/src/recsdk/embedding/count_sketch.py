@@ -47,6 +47,8 @@ class CountMinSketch:
         self.num_hashes = num_hashes
         self.cap = cap
         self.counters = torch.zeros(width * num_hashes, dtype=dtype, device=device)
+        self._salts = torch.tensor(_SALTS[:num_hashes], dtype=torch.int64, device=device).unsqueeze(1)  # [k, 1]
+        self._row_starts = torch.arange(0, width * num_hashes, width, dtype=torch.int64, device=device).unsqueeze(1)
 
     def positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Counter index of each id in each row.
@@ -57,11 +59,8 @@ class CountMinSketch:
         Returns:
             torch.Tensor: int64 ``[num_hashes, n]`` indices into ``counters``.
         """
-        rows = [
-            fmix64(ids, _SALTS[j]).bitwise_and_(_INT64_MAX).remainder_(self.width).add_(j * self.width)
-            for j in range(self.num_hashes)
-        ]
-        return torch.stack(rows)
+        # Every row's hash in one pass over [num_hashes, n] (salts [num_hashes, 1] broadcast).
+        return fmix64(ids, self._salts).bitwise_and_(_INT64_MAX).remainder_(self.width).add_(self._row_starts)
 
     def estimate(self, positions: torch.Tensor) -> torch.Tensor:
         """Estimated counts (``[n]``, the counters' dtype) for ``positions`` from :meth:`positions`."""

@@ -33,15 +33,18 @@ def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def fmix64(ids: torch.Tensor, salt: int = TABLE_SALT) -> torch.Tensor:
+def fmix64(ids: torch.Tensor, salt: int | torch.Tensor = TABLE_SALT) -> torch.Tensor:
     """Mix int64 values: ``fmix64(ids ^ salt)`` with 64-bit wraparound.
 
     Args:
         ids (torch.Tensor): int64 tensor, any shape.
-        salt (int): a signed 64-bit constant xored in first (different salts give unrelated hashes).
+        salt (int | torch.Tensor): a signed 64-bit constant xored in first (different salts give
+            unrelated hashes); or an int64 tensor of salts that broadcasts with ``ids`` (several
+            hashes of the ids in one pass: salts ``[k, 1]`` and ids ``[n]`` give ``[k, n]``).
 
     Returns:
-        torch.Tensor: int64 tensor of the same shape; a bijection of the 64-bit integers for a given salt.
+        torch.Tensor: int64 tensor of the broadcast shape; a bijection of the 64-bit integers for
+        a given salt.
 
     Example::
 

@@ -280,7 +280,7 @@ class IdTable:
         rows = self._map.lookup(flat)
         present = rows[rows >= 0].unique()
         if present.numel():
-            self._pins.refuse_pinned(present, "remove")
+            self._eviction.refuse_pinned(present, "remove")
             self._map.free(present)
         return rows.view(shape)
 
@@ -346,9 +346,25 @@ class IdTable:
         """
         self._pins.drop(self._as_rows(rows, "unpin", allow_missing=True))
 
+    def pin_since(self, step: int | None) -> None:
+        """Pin every row last used at ``step`` or later, until the next call (None: unpin them).
+
+        A step watermark beside :meth:`pin`'s references: a pipeline's batches in flight are
+        consecutive steps, so pinning from the step of the oldest one pins exactly their rows,
+        for the cost of one integer per batch. A table without an eviction policy evicts nothing
+        and keeps no last uses: there it pins nothing. Replacing the state (:meth:`load_state_dict`,
+        :meth:`rebuild`) drops it.
+
+        Args:
+            step (int | None): a step ``>= 0`` (see :attr:`step`), or None.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"IdTable '{self._name}'.pin_since: step must be an int >= 0 or None, got {step!r}")
+        self._pins.pin_since(step if self._eviction_policy is not None else None)
+
     def num_pinned(self) -> int:
-        """Number of rows with at least one pin."""
-        return self._pins.num_pinned(self._rows.high_water)
+        """Number of rows with a pin (:meth:`pin`'s references, or :meth:`pin_since`'s watermark)."""
+        return self._eviction.num_pinned()
 
     def evict_idle(self, max_idle_steps: int | None = None) -> torch.Tensor:
         """Free every unpinned row idle for more than ``max_idle_steps`` steps (an explicit TTL sweep);

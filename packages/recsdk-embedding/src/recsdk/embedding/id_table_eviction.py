@@ -157,8 +157,9 @@ class IdTableEviction:
                 "or set an eviction policy (LRUEviction, LFUEviction, TTLEviction or ScoreEviction)."
             )
         in_use = self.in_use(used)
+        pins, since = self._pins.referenced(), self._pins.since
         if self._by_last_use() and self._oldest.can_free(
-            num_new - free, self._last_step, self._rows.row_state, self._pins.counts, in_use
+            num_new - free, self._last_step, self._rows.row_state, pins, in_use, since=since
         ):
             return in_use  # enough of the oldest rows may go: no scan of the whole table
         evictable = int((self._evictable() & ~in_use).sum())
@@ -234,7 +235,7 @@ class IdTableEviction:
         hw = self._rows.high_water
         last_step = self._last_step[:hw]
         occupied = self._rows.occupied_mask()
-        expired = occupied & self._pins.unpinned_mask(hw) & (last_step < step - max_idle_steps)
+        expired = occupied & self._pins.unpinned_mask(hw, self._last_step) & (last_step < step - max_idle_steps)
         rows = expired.nonzero().squeeze(1)
         if rows.numel():
             occupied[rows] = False
@@ -243,9 +244,19 @@ class IdTableEviction:
         self._idle_floor = min(floor, step)
         return rows
 
+    def num_pinned(self) -> int:
+        """Rows with a pin: a reference, or last used at or after the pins' watermark."""
+        hw = self._rows.high_water
+        return self._pins.num_pinned(hw, self._last_step, self._rows.occupied_mask())
+
+    def refuse_pinned(self, rows: torch.Tensor, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` if one of the occupied ``rows`` has a pin (as
+        :meth:`num_pinned` counts them)."""
+        self._pins.refuse_pinned(rows, what, self._last_step)
+
     def _evictable(self) -> torch.Tensor:
         """Mask of the rows below the high-water mark eviction may free: occupied and unpinned."""
-        return self._rows.occupied_mask() & self._pins.unpinned_mask(self._rows.high_water)
+        return self._rows.occupied_mask() & self._pins.unpinned_mask(self._rows.high_water, self._last_step)
 
     def _by_last_use(self) -> bool:
         """Whether victims are the least recently used rows (LRU; TTL when the table is full)."""
@@ -256,11 +267,11 @@ class IdTableEviction:
         (scanned again when it runs short); None where even a fresh scan holds too few."""
         if count < 1:
             return None
-        args = (self._last_step, self._rows.row_state, self._pins.counts, in_use)
-        victims = self._oldest.take(count, *args)
+        args = (self._last_step, self._rows.row_state, self._pins.referenced(), in_use)
+        victims = self._oldest.take(count, *args, since=self._pins.since)
         if victims is None:
             depth = max(_QUEUE_STEPS * count, _QUEUE_MIN_ROWS)
             hw = self._rows.high_water
             self._oldest.refill(self._last_step[:hw], self._rows.occupied_mask(), depth, step)
-            victims = self._oldest.take(count, *args)
+            victims = self._oldest.take(count, *args, since=self._pins.since)
         return victims

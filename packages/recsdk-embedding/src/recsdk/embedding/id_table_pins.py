@@ -1,10 +1,18 @@
-"""``IdTablePins``: rows an :class:`~recsdk.embedding.IdTable` must not evict, reference-counted.
+"""``IdTablePins``: rows an :class:`~recsdk.embedding.IdTable` must not evict.
 
-A batch mapped ahead of its compute holds its rows until it has computed (a pipeline's
-``RowLedger`` pins and unpins them); eviction and TTL sweeps pass over pinned rows. Each
-occurrence of a row is one reference (int32 counts per row, resident only where written); ``-1``
-entries (ids not admitted) go to a spare entry at index ``capacity`` and are dropped. A part of
-``IdTable``: it owns the counts; the table checks the rows it is given and calls it.
+Two kinds of pin, both read by eviction and TTL sweeps, which pass over pinned rows:
+
+* references: each occurrence of a row given to :meth:`IdTablePins.add` is one reference (int32
+  counts per row, resident only where written; ``-1`` entries, ids not admitted, go to a spare
+  entry at index ``capacity`` and are dropped), until :meth:`IdTablePins.drop`;
+* a step watermark (:meth:`IdTablePins.pin_since`): every row last used at or after a step. A
+  pipeline's batches in flight are consecutive steps of the table, and a step writes its rows'
+  last use, so pinning from the oldest batch in flight pins exactly the rows of the batches in
+  flight (a ``RowLedger``'s pins): one integer per batch instead of two passes over its rows.
+  The last use is eviction's array (``last_step``); the table hands it in to read.
+
+A part of ``IdTable``: it owns the counts and the watermark; the table checks the rows it is
+given and calls it.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ class IdTablePins:
 
         pins = IdTablePins("user", 8, torch.device("cpu"))
         pins.add(torch.tensor([3, 3, -1]))  # row 3 pinned twice, -1 ignored
-        pins.num_pinned(high_water=4)  # 1
+        pins.pin_since(5)  # and every row last used at step 5 or later
+        pins.num_pinned(high_water=4, last_step=last_step, occupied=occupied)
     """
 
     def __init__(self, name: str, capacity: int, device: torch.device) -> None:
@@ -42,6 +51,21 @@ class IdTablePins:
         self._pins_buf = lazy_zeros(self._capacity + 1, torch.int32, self._device)
         self._pins = self._pins_buf[: self._capacity]
         self._pin_end = 0  # no row at or above max(this, the table's high-water mark) was ever pinned
+        self._references = 0  # occurrences added and not dropped (-1 entries too; 0: every count is zero)
+        self._since: int | None = None  # rows last used at this step or later are pinned
+
+    @property
+    def since(self) -> int | None:
+        """The step watermark: rows last used at this step or later are pinned (None: none)."""
+        return self._since
+
+    def pin_since(self, step: int | None) -> None:
+        """Pin every row last used at ``step`` or later (replacing the previous watermark; None: none)."""
+        self._since = step
+
+    def referenced(self) -> torch.Tensor | None:
+        """The reference counts (int32 ``[capacity]``), or None while no row holds a reference."""
+        return self._pins if self._references else None
 
     @property
     def counts(self) -> torch.Tensor:
@@ -57,6 +81,7 @@ class IdTablePins:
         if rows.numel():
             self._pin_end = max(self._pin_end, int(rows.max()) + 1)
         self._add(rows, 1)
+        self._references += rows.numel()
 
     def drop(self, rows: torch.Tensor) -> None:
         """Drop the references :meth:`add` took (same rows, same multiplicity).
@@ -73,23 +98,45 @@ class IdTablePins:
                 f"IdTable '{self._name}': unpin of row {row} more times than it was pinned "
                 f"(pinned {int(self._pins[row])} times)"
             )
+        self._references -= rows.numel()
 
-    def num_pinned(self, high_water: int) -> int:
-        """Number of rows with at least one pin (the table's rows below ``high_water`` and any
-        pinned above it)."""
-        return int((self._pins[: max(high_water, self._pin_end)] > 0).sum())
+    def num_pinned(self, high_water: int, last_step: torch.Tensor, occupied: torch.Tensor) -> int:
+        """Number of rows with a pin: a reference (the table's rows below ``high_water`` and any
+        referenced above it), or occupied and last used at or after the watermark.
 
-    def unpinned_mask(self, high_water: int) -> torch.Tensor:
-        """bool ``[high_water]``: which rows below the mark have no pin."""
-        return self._pins[:high_water] == 0
+        Args:
+            high_water (int): the table's high-water mark.
+            last_step (torch.Tensor): int32 ``[capacity]`` each row's last use.
+            occupied (torch.Tensor): bool ``[high_water]`` the rows holding an id.
+        """
+        end = max(high_water, self._pin_end)
+        pinned = self._pins[:end] > 0
+        if self._since is not None:
+            pinned[:high_water] |= occupied & (last_step[:high_water] >= self._since)
+        return int(pinned.sum())
 
-    def any_pinned(self, rows: torch.Tensor) -> bool:
-        """Whether one of int64 ``rows`` (in ``[0, capacity)``) is pinned."""
-        return bool((self._pins[rows] > 0).any())
+    def unpinned_mask(self, high_water: int, last_step: torch.Tensor) -> torch.Tensor:
+        """bool ``[high_water]``: which rows below the mark have no pin (``last_step``: as in
+        :meth:`num_pinned`)."""
+        if self._references:
+            unpinned = self._pins[:high_water] == 0
+        else:
+            unpinned = torch.ones(high_water, dtype=torch.bool, device=self._device)
+        if self._since is not None:
+            unpinned &= last_step[:high_water] < self._since
+        return unpinned
 
-    def refuse_pinned(self, rows: torch.Tensor, what: str) -> None:
-        """Raise ``ValueError`` (``what`` names the operation) if one of int64 ``rows`` is pinned."""
-        if self.any_pinned(rows):
+    def any_pinned(self, rows: torch.Tensor, last_step: torch.Tensor) -> bool:
+        """Whether one of int64 ``rows`` (occupied, in ``[0, capacity)``) is pinned."""
+        pinned = self._pins[rows] > 0
+        if self._since is not None:
+            pinned |= last_step[rows] >= self._since
+        return bool(pinned.any())
+
+    def refuse_pinned(self, rows: torch.Tensor, what: str, last_step: torch.Tensor) -> None:
+        """Raise ``ValueError`` (``what`` names the operation) if one of the occupied int64 ``rows``
+        is pinned (``last_step``: as in :meth:`num_pinned`)."""
+        if self.any_pinned(rows, last_step):
             raise ValueError(f"IdTable '{self._name}': {what} of ids whose rows are pinned; unpin them first")
 
     def _add(self, rows: torch.Tensor, delta: int) -> torch.Tensor:

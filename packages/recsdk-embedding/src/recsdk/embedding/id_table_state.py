@@ -278,7 +278,7 @@ class IdTableState:
 
     def _replace(self, sd: dict[str, torch.Tensor]) -> None:
         """Replace the table's contents by a checked state (refused while rows are pinned)."""
-        pinned = self._pins.num_pinned(self._rows.high_water)
+        pinned = self._eviction.num_pinned()
         if pinned:
             raise RuntimeError(f"IdTable '{self._name}': load_state_dict while {pinned} rows are pinned")
         self._reset()

@@ -35,10 +35,10 @@ class OldestRows:
     Example::
 
         oldest = OldestRows(occupied_state=1)
-        victims = oldest.take(count, last_step, row_state, pins, in_use)
+        victims = oldest.take(count, last_step, row_state, pins, in_use, since=None)
         if victims is None:
             oldest.refill(last_step[:hw], row_state[:hw] == 1, depth=16 * count, step=table_step)
-            victims = oldest.take(count, last_step, row_state, pins, in_use)
+            victims = oldest.take(count, last_step, row_state, pins, in_use, since=None)
     """
 
     def __init__(self, occupied_state: int) -> None:
@@ -71,17 +71,31 @@ class OldestRows:
         self._rows = rows.index_select(0, order)
 
     def can_free(
-        self, count: int, last_step: torch.Tensor, row_state: torch.Tensor, pins: torch.Tensor, in_use: torch.Tensor
+        self,
+        count: int,
+        last_step: torch.Tensor,
+        row_state: torch.Tensor,
+        pins: torch.Tensor | None,
+        in_use: torch.Tensor,
+        *,
+        since: int | None,
     ) -> bool:
         """Whether :meth:`take` would find ``count`` rows now (reads only)."""
         rows = self._rows
         if rows is None or rows.numel() < count:
             return False
-        _, _, free = self._free(rows, last_step, row_state, pins, in_use)
+        _, _, free = self._free(rows, last_step, row_state, pins, in_use, since)
         return int(free.sum()) >= count
 
     def take(
-        self, count: int, last_step: torch.Tensor, row_state: torch.Tensor, pins: torch.Tensor, in_use: torch.Tensor
+        self,
+        count: int,
+        last_step: torch.Tensor,
+        row_state: torch.Tensor,
+        pins: torch.Tensor | None,
+        in_use: torch.Tensor,
+        *,
+        since: int | None,
     ) -> torch.Tensor | None:
         """The ``count`` rows to evict, in the full selection's order, taken out of the queue; or
         None (the queue is empty, or too few of its rows may go: scan again).
@@ -90,13 +104,15 @@ class OldestRows:
             count (int): rows to free (>= 1).
             last_step (torch.Tensor): int32 last step per row (at least the scanned rows).
             row_state (torch.Tensor): int8 state per row (at least the scanned rows).
-            pins (torch.Tensor): int32 pins per row (at least the scanned rows).
+            pins (torch.Tensor | None): int32 pin references per row (at least the scanned rows);
+                None: no row holds one.
             in_use (torch.Tensor): bool per row, the step's batch's rows (at least the scanned rows).
+            since (int | None): rows last used at this step or later are pinned too (None: none).
         """
         rows = self._rows
         if rows is None or rows.numel() < count:
             return None
-        keys, kept, free = self._free(rows, last_step, row_state, pins, in_use)
+        keys, kept, free = self._free(rows, last_step, row_state, pins, in_use, since)
         positions = free.nonzero().squeeze(1)[:count]
         if positions.numel() < count:
             self._rows = rows[kept]
@@ -114,12 +130,17 @@ class OldestRows:
         rows: torch.Tensor,
         last_step: torch.Tensor,
         row_state: torch.Tensor,
-        pins: torch.Tensor,
+        pins: torch.Tensor | None,
         in_use: torch.Tensor,
+        since: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queue's rows' last steps; which stay in it (still below the threshold and
         occupied: pinned ones too); and which may go now (unpinned, not in the batch)."""
         keys = last_step.index_select(0, rows)
         kept = (keys < self._threshold) & (row_state.index_select(0, rows) == self._occupied_state)
-        free = kept & (pins.index_select(0, rows) == 0) & ~in_use.index_select(0, rows)
+        free = kept & ~in_use.index_select(0, rows)
+        if pins is not None:
+            free &= pins.index_select(0, rows) == 0
+        if since is not None and since <= self._threshold:  # else every row of the queue is below it
+            free &= keys < since
         return keys, kept, free

@@ -103,7 +103,7 @@ class HostShards:
         self.stage = IdMappingStage.for_shards(
             compat.local_shards(module), self.configs, plan, rank, first_use=lazy, workers=TableWorkers(threads)
         )
-        self.ledger = RowLedger(self.stage.id_tables, self.stage.lock, self.stage.workers)
+        self.ledger = RowLedger(self.stage.id_tables, self.stage.lock)
         self._agreement = FailureAgreement(host_pg, what="the host id stage")
         # The inline agreement's flag rides in the pooled output dists' all-to-alls where they can
         # carry it (gloo), instead of an all-reduce per batch; the same on every rank (the plan).
@@ -250,8 +250,8 @@ class HostShards:
                 )
                 mapped, ctx.batch_rows, ctx.missing = batch.kjts, batch.rows, batch.missing
                 ctx.cache_rows = [self._cached_rows(kjt, training) for kjt in mapped]
-                if ahead:
-                    self.ledger.hold(ctx.token, ctx.batch_rows)
+                if ahead and training:  # eval finds only: it neither steps nor evicts
+                    self.ledger.hold(ctx.token)
             except Exception as e:  # shared with the other ranks, then re-raised
                 error = e
         if error is not None:

@@ -5,7 +5,13 @@ the batch computes:
 
 * **holds**: its rows must not be evicted (and handed to another id) under it, so they are
   pinned in their id tables, but only in tables with an eviction policy (a table without one
-  never frees a row by itself);
+  never frees a row by itself). A batch's mapping is one step of each table and writes its
+  rows' last use, and the batches in flight are the latest steps, so the ledger pins by step:
+  each table is pinned from the step of its oldest batch in flight
+  (:meth:`~recsdk.embedding.IdTable.pin_since`), which pins exactly the rows of the batches in
+  flight (a batch dropped in between keeps its rows pinned until the older ones have
+  computed). That is one integer per table and batch, where pinning the rows themselves took
+  two passes over them (a pin and an unpin) and a dozen torch calls per table;
 * **resets**: rows its mapping took from evicted ids need a fresh embedding and zeroed
   optimizer state before its lookup. They are reset when the batch starts computing, on the
   training thread, never by the host thread while another batch computes on the same weights
@@ -29,11 +35,11 @@ from collections.abc import Mapping
 import torch
 
 from recsdk.embedding import IdTable
-from recsdk.sharding.host.table_workers import TableWorkers
 
 __all__ = ["RowLedger"]
 
 Rows = dict[str, torch.Tensor]
+Steps = dict[str, int]
 
 
 def _merge(into: dict[str, list[torch.Tensor]], rows: Mapping[str, torch.Tensor]) -> None:
@@ -48,53 +54,50 @@ class RowLedger:
     Args:
         tables (Mapping[str, IdTable]): this rank's id tables by table name (pins go there).
         lock (threading.RLock): the lock that guards those tables (the host stage's).
-        workers (TableWorkers | None): the threads that pin and unpin the tables at once (None:
-            the calling thread).
 
     Example::
 
         ledger = RowLedger(id_tables, lock)
         ledger.owe(ctx.token, reassigned)       # host stage: rows taken from evicted ids
-        ledger.hold(ctx.token, batch_rows)      # mapped ahead: keep them
+        ledger.hold(ctx.token)                  # mapped ahead: keep its rows
         ledger.release_finished()               # compute: the previous batch is done
         resets = ledger.start_compute(ctx.token)
     """
 
-    def __init__(
-        self, tables: Mapping[str, IdTable], lock: threading.RLock, workers: TableWorkers | None = None
-    ) -> None:
+    def __init__(self, tables: Mapping[str, IdTable], lock: threading.RLock) -> None:
         self._tables = tables
         self._lock = lock
-        self._workers = workers if workers is not None else TableWorkers(1)
-        self._held: dict[int, Rows] = {}
+        self._held: dict[int, Steps] = {}  # per batch mapped ahead, the step of each table it made
         self._owed: dict[int, dict[str, list[torch.Tensor]]] = {}
         self._owed_next: dict[str, list[torch.Tensor]] = {}  # by whichever batch computes next
-        self._computing: Rows = {}
+        self._computing: Steps = {}
 
     def owe(self, token: int, rows: Mapping[str, torch.Tensor]) -> None:
         """Batch ``token`` owes ``rows`` (per table) a reset before its lookup."""
         with self._lock:
             _merge(self._owed.setdefault(token, {}), rows)
 
-    def hold(self, token: int, rows: Mapping[str, torch.Tensor]) -> None:
-        """Batch ``token``, mapped ahead, uses ``rows``: pin them until it has computed."""
+    def hold(self, token: int) -> None:
+        """Batch ``token`` was just mapped ahead (the latest step of each table): pin its rows
+        until it has computed."""
         with self._lock:
-            held = {n: r for n, r in rows.items() if r.numel() > 0 and self._tables[n].eviction is not None}
-            self._each_table("pin", held)
-            self._held[token] = held
+            self._held[token] = {n: t.step for n, t in self._tables.items() if t.eviction is not None}
+            self._pin_in_flight()
 
     def release(self, token: int) -> None:
         """Batch ``token`` will never compute: unpin its rows; its resets go to the next compute."""
         with self._lock:
-            self._each_table("unpin", self._held.pop(token, {}))
+            if self._held.pop(token, None) is not None:
+                self._pin_in_flight()
             for name, chunks in self._owed.pop(token, {}).items():
                 self._owed_next.setdefault(name, []).extend(chunks)
 
     def release_finished(self) -> None:
         """The computing batch's backward is done: its rows may be evicted again."""
         with self._lock:
-            self._each_table("unpin", self._computing)
-            self._computing = {}
+            if self._computing:
+                self._computing = {}
+                self._pin_in_flight()
 
     def start_compute(self, token: int) -> Rows:
         """Batch ``token`` computes now: its holds last until :meth:`release_finished`.
@@ -111,9 +114,13 @@ class RowLedger:
                 chunks.setdefault(name, []).extend(own)
         return {name: torch.unique(torch.cat(c)) for name, c in chunks.items()}
 
-    def _each_table(self, op: str, rows: Rows) -> None:
-        """``IdTable.pin`` or ``unpin`` of each table's rows, the tables at once on the workers."""
-        self._workers.run_all(lambda item: getattr(self._tables[item[0]], op)(item[1]), list(rows.items()))
+    def _pin_in_flight(self) -> None:
+        """Pin each table from the step of its oldest batch in flight (held or computing), or
+        nothing where none is."""
+        in_flight = [*self._held.values(), self._computing]
+        for name, table in self._tables.items():
+            steps = [held[name] for held in in_flight if name in held]
+            table.pin_since(min(steps) if steps else None)
 
     def owed_resets(self) -> Rows:
         """Per table, every row still owed a reset (by batches in flight, failed or dropped)."""
