@@ -27,7 +27,7 @@ import torch
 from recsdk.embedding.id_table_pins import IdTablePins
 from recsdk.embedding.id_table_scores import IdTableScores
 from recsdk.embedding.lazy_memory import lazy_zeros
-from recsdk.embedding.oldest_rows import OldestRows
+from recsdk.embedding.oldest_rows import OldestRows, RowsInUse
 from recsdk.embedding.policies import EvictionPolicy, LFUEviction, ScoreEviction, TTLEviction
 from recsdk.embedding.row_allocator import RowAllocator
 from recsdk.embedding.row_states import INT32_MAX, OCCUPIED
@@ -157,10 +157,7 @@ class IdTableEviction:
                 "or set an eviction policy (LRUEviction, LFUEviction, TTLEviction or ScoreEviction)."
             )
         in_use = self.in_use(used)
-        pins, since = self._pins.referenced(), self._pins.since
-        if self._by_last_use() and self._oldest.can_free(
-            num_new - free, self._last_step, self._rows.row_state, pins, in_use, since=since
-        ):
+        if self._by_last_use() and self._oldest.can_free(num_new - free, self._rows_in_use(in_use)):
             return in_use  # enough of the oldest rows may go: no scan of the whole table
         evictable = int((self._evictable() & ~in_use).sum())
         if free + evictable < num_new:
@@ -267,11 +264,17 @@ class IdTableEviction:
         (scanned again when it runs short); None where even a fresh scan holds too few."""
         if count < 1:
             return None
-        args = (self._last_step, self._rows.row_state, self._pins.referenced(), in_use)
-        victims = self._oldest.take(count, *args, since=self._pins.since)
+        rows_in_use = self._rows_in_use(in_use)
+        victims = self._oldest.take(count, rows_in_use)
         if victims is None:
             depth = max(_QUEUE_STEPS * count, _QUEUE_MIN_ROWS)
             hw = self._rows.high_water
             self._oldest.refill(self._last_step[:hw], self._rows.occupied_mask(), depth, step)
-            victims = self._oldest.take(count, *args, since=self._pins.since)
+            victims = self._oldest.take(count, rows_in_use)
         return victims
+
+    def _rows_in_use(self, batch: torch.Tensor) -> RowsInUse:
+        """What keeps rows from going now: the pins (references and watermark) and ``batch`` (the
+        step's rows, bool per row)."""
+        pins, since = self._pins.referenced(), self._pins.since
+        return RowsInUse(self._last_step, self._rows.row_state, pins=pins, since=since, batch=batch)

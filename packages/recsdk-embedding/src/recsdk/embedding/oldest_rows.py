@@ -22,11 +22,33 @@ table's own full selection.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["OldestRows"]
+__all__ = ["OldestRows", "RowsInUse"]
 
 _INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RowsInUse:
+    """What keeps a row of the queue from going now, as the table reads it at a step.
+
+    Attributes:
+        last_step (torch.Tensor): int32 last step per row (at least the scanned rows).
+        row_state (torch.Tensor): int8 state per row (at least the scanned rows).
+        pins (torch.Tensor | None): int32 pin references per row (at least the scanned rows);
+            None: no row holds one.
+        since (int | None): rows last used at this step or later are pinned too (None: none).
+        batch (torch.Tensor): bool per row, the step's batch's rows (at least the scanned rows).
+    """
+
+    last_step: torch.Tensor
+    row_state: torch.Tensor
+    pins: torch.Tensor | None
+    since: int | None
+    batch: torch.Tensor
 
 
 class OldestRows:
@@ -35,10 +57,11 @@ class OldestRows:
     Example::
 
         oldest = OldestRows(occupied_state=1)
-        victims = oldest.take(count, last_step, row_state, pins, in_use, since=None)
+        in_use = RowsInUse(last_step, row_state, pins=None, since=None, batch=batch_rows)
+        victims = oldest.take(count, in_use)
         if victims is None:
             oldest.refill(last_step[:hw], row_state[:hw] == 1, depth=16 * count, step=table_step)
-            victims = oldest.take(count, last_step, row_state, pins, in_use, since=None)
+            victims = oldest.take(count, in_use)
     """
 
     def __init__(self, occupied_state: int) -> None:
@@ -70,49 +93,26 @@ class OldestRows:
         order = torch.sort(key.index_select(0, rows), stable=True).indices  # by last step, then row
         self._rows = rows.index_select(0, order)
 
-    def can_free(
-        self,
-        count: int,
-        last_step: torch.Tensor,
-        row_state: torch.Tensor,
-        pins: torch.Tensor | None,
-        in_use: torch.Tensor,
-        *,
-        since: int | None,
-    ) -> bool:
+    def can_free(self, count: int, in_use: RowsInUse) -> bool:
         """Whether :meth:`take` would find ``count`` rows now (reads only)."""
         rows = self._rows
         if rows is None or rows.numel() < count:
             return False
-        _, _, free = self._free(rows, last_step, row_state, pins, in_use, since)
+        _, _, free = self._free(rows, in_use)
         return int(free.sum()) >= count
 
-    def take(
-        self,
-        count: int,
-        last_step: torch.Tensor,
-        row_state: torch.Tensor,
-        pins: torch.Tensor | None,
-        in_use: torch.Tensor,
-        *,
-        since: int | None,
-    ) -> torch.Tensor | None:
+    def take(self, count: int, in_use: RowsInUse) -> torch.Tensor | None:
         """The ``count`` rows to evict, in the full selection's order, taken out of the queue; or
         None (the queue is empty, or too few of its rows may go: scan again).
 
         Args:
             count (int): rows to free (>= 1).
-            last_step (torch.Tensor): int32 last step per row (at least the scanned rows).
-            row_state (torch.Tensor): int8 state per row (at least the scanned rows).
-            pins (torch.Tensor | None): int32 pin references per row (at least the scanned rows);
-                None: no row holds one.
-            in_use (torch.Tensor): bool per row, the step's batch's rows (at least the scanned rows).
-            since (int | None): rows last used at this step or later are pinned too (None: none).
+            in_use (RowsInUse): what keeps rows from going now.
         """
         rows = self._rows
         if rows is None or rows.numel() < count:
             return None
-        keys, kept, free = self._free(rows, last_step, row_state, pins, in_use, since)
+        keys, kept, free = self._free(rows, in_use)
         positions = free.nonzero().squeeze(1)[:count]
         if positions.numel() < count:
             self._rows = rows[kept]
@@ -125,22 +125,15 @@ class OldestRows:
         ties = chosen[chosen_keys == kth].sort().values
         return torch.cat([below, ties])
 
-    def _free(
-        self,
-        rows: torch.Tensor,
-        last_step: torch.Tensor,
-        row_state: torch.Tensor,
-        pins: torch.Tensor | None,
-        in_use: torch.Tensor,
-        since: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _free(self, rows: torch.Tensor, in_use: RowsInUse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The queue's rows' last steps; which stay in it (still below the threshold and
         occupied: pinned ones too); and which may go now (unpinned, not in the batch)."""
-        keys = last_step.index_select(0, rows)
-        kept = (keys < self._threshold) & (row_state.index_select(0, rows) == self._occupied_state)
-        free = kept & ~in_use.index_select(0, rows)
-        if pins is not None:
-            free &= pins.index_select(0, rows) == 0
+        keys = in_use.last_step.index_select(0, rows)
+        kept = (keys < self._threshold) & (in_use.row_state.index_select(0, rows) == self._occupied_state)
+        free = kept & ~in_use.batch.index_select(0, rows)
+        if in_use.pins is not None:
+            free &= in_use.pins.index_select(0, rows) == 0
+        since = in_use.since
         if since is not None and since <= self._threshold:  # else every row of the queue is below it
             free &= keys < since
         return keys, kept, free
