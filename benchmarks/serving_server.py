@@ -4,7 +4,9 @@ A DLRM with ``--tables`` hash tables of ``--ids`` ids (dim ``--dim``, ``--poolin
 Zipf) is published by a real ``Publisher`` (one rank: a full version, then ``--deltas`` deltas of
 ``--delta-rows`` changed rows), and served two ways on the same requests:
 
-- in process: ``ServingModel(model, root)`` called on the request's batch (the baseline);
+- in process: ``ServingModel(model, root)`` called on the request's batch (the baseline), with
+  as many torch threads as each replica has (``--threads``; default: the server's own default,
+  ``(cores - 1) // replicas``, at least 1);
 - through the server on loopback: ``recsdk.serving.server.launch.serve`` with 1 and 2 replicas
   (HAProxy ingress), a real client (``ServingClient``, binary bodies encoded before timing; the
   encoding's own cost is reported as ``encode_ms``).
@@ -12,7 +14,10 @@ Zipf) is published by a real ``Publisher`` (one rank: a full version, then ``--d
 One JSON line per measurement, per replica count and request size (1, 16, 256 samples):
 
 - ``latency``: one client, one request at a time: p50/p99 of the round trip (ms) against the
-  in-process call's p50/p99 (target p99 <= 5 ms at 1 sample);
+  in-process call's p50/p99 (target p99 <= 5 ms at 1 sample); ``replica_p50_ms``: the time in
+  the replica (decode, forward, encode, as the replica reports it); ``cpu_us``: CPU time per
+  request by process (the replica, HAProxy, the client, Ray's other processes; from
+  ``/proc``, 10 ms ticks over the round), where the round trip's time goes;
 - ``throughput``: ``--clients`` client threads, each a request at a time: samples/s against the
   in-process samples/s on one thread (ratio; target >= 0.7 at 256 samples with one replica);
 - ``versions_applying``: at 1 sample per request, the round trips' p99 while the deltas are
@@ -22,7 +27,7 @@ One JSON line per measurement, per replica count and request size (1, 16, 256 sa
 Each figure is the median of ``--rounds`` rounds, the server's and the in-process rounds
 interleaved.
 
-    python benchmarks/serving_server.py [--ids 50000] [--tables 4] [--requests 300] [--rounds 3]
+    python benchmarks/serving_server.py [--ids 50000] [--tables 4] [--requests 300] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -112,6 +117,32 @@ def _requests(args: argparse.Namespace, ids: dict[str, torch.Tensor], n: int, co
     return out
 
 
+def _cpu_s() -> dict[str, float]:
+    """CPU seconds so far of the server's processes and this one, by role (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == os.getpid():
+            role = "client"
+        elif "ServeReplica" in cmd:
+            role = "replica"
+        elif "haproxy" in cmd:
+            role = "haproxy"
+        elif "ray" in cmd:
+            role = "ray_other"
+        else:
+            continue
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -186,10 +217,15 @@ def _measure(args: argparse.Namespace, url: str, replicas: int, serving: Serving
             encode_request(b.sparse_features, b.dense_features)
         encode_ms = (time.perf_counter() - start) / 50 * 1e3
         rounds: dict[str, list[float]] = {k: [] for k in ("p50", "p99", "ip50", "ip99", "tput", "itput")}
+        cpu: dict[str, list[float]] = {}
         with ServingClient(url) as client:
             _round_trips(client, bodies[:20], content_type)  # warm
             for _ in range(args.rounds):
+                before = _cpu_s()
                 server = _round_trips(client, bodies, content_type)
+                after = _cpu_s()
+                for role, seconds in after.items():
+                    cpu.setdefault(role, []).append((seconds - before.get(role, 0.0)) / len(bodies) * 1e6)
                 local = _in_process(serving, batches)
                 rounds["p50"].append(_p(server, 0.5) * 1e3)
                 rounds["p99"].append(_p(server, 0.99) * 1e3)
@@ -197,6 +233,7 @@ def _measure(args: argparse.Namespace, url: str, replicas: int, serving: Serving
                 rounds["ip99"].append(_p(local, 0.99) * 1e3)
                 rounds["tput"].append(_throughput(url, bodies, content_type, args.clients) * n)
                 rounds["itput"].append(len(batches) * n / sum(_in_process(serving, batches)))
+            replica_ms = [s["latency_ms"].get("p50") for s in client.health()["replicas"].values()]
         med = {k: statistics.median(v) for k, v in rounds.items()}
         _emit(
             measurement="latency",
@@ -207,6 +244,8 @@ def _measure(args: argparse.Namespace, url: str, replicas: int, serving: Serving
             in_process_p50_ms=round(med["ip50"], 3),
             in_process_p99_ms=round(med["ip99"], 3),
             overhead_p50_ms=round(med["p50"] - med["ip50"], 3),
+            replica_p50_ms=replica_ms,
+            cpu_us={role: round(statistics.median(v)) for role, v in sorted(cpu.items())},
             encode_ms=round(encode_ms, 3),
             target_p99_ms=5.0 if n == 1 else None,
             requests=len(bodies),
@@ -220,6 +259,7 @@ def _measure(args: argparse.Namespace, url: str, replicas: int, serving: Serving
             samples_per_s=round(med["tput"], 1),
             in_process_samples_per_s=round(med["itput"], 1),
             ratio=round(med["tput"] / med["itput"], 3),
+            round_ratios=[round(a / b, 3) for a, b in zip(rounds["tput"], rounds["itput"], strict=True)],
             target=0.7 if n == 256 and replicas == 1 else None,
             rounds=args.rounds,
         )
@@ -274,9 +314,11 @@ def main() -> None:
     parser.add_argument("--delta-rows", type=int, default=4_000)
     parser.add_argument("--delta-every-s", type=float, default=0.5)
     parser.add_argument("--requests", type=int, default=300, help="requests per round and size")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=4, help="client threads for throughput")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per replica and in process")
+    parser.add_argument("--batching", action="store_true", help="serve with @serve.batch (--batching)")
     args = parser.parse_args()
     from recsdk.serving.server.launch import serve
 
@@ -290,7 +332,18 @@ def main() -> None:
             os.makedirs(served)
             shutil.copytree(os.path.join(source, "00000000"), os.path.join(served, "00000000"))
             serving = ServingModel(_model(args.tables, args.ids, args.dim, "cpu"), served)
-            server = serve(served, "serving_server:spec", replicas=replicas, port=free_port(), poll_s=0.2)
+            threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // replicas)  # the server's default
+            torch.set_num_threads(threads)  # the in-process baseline: as many threads as a replica
+            server = serve(
+                served,
+                "serving_server:spec",
+                replicas=replicas,
+                port=free_port(),
+                poll_s=0.2,
+                threads=threads,
+                batching=args.batching,
+            )
+            _emit(measurement="setup", replicas=replicas, threads=threads, batching=args.batching, cores=os.cpu_count())
             try:
                 _measure(args, server.url, replicas, serving, requests)
                 _while_versions_apply(args, server.url, replicas, source, served, requests[1][:100])

@@ -1,5 +1,6 @@
 """The server (``python -m recsdk.serving serve``): one real server on loopback, 2 replicas, started
-once through the CLI and shared by these tests; real requests through the client and raw HTTP."""
+once through the CLI (with ``--batching``: concurrent requests merged into one forward) and shared
+by these tests; real requests through the client and raw HTTP."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ pytest.importorskip("ray.serve", reason="the server needs recsdk-serving[server]
 from recsdk.serving import ServerError, ServingClient, ServingModel, score
 from recsdk.serving.cli import main
 from recsdk.serving.server.codec import BINARY_REQUEST, JSON, decode_request, encode_request
+from recsdk.serving.server.merge import merge_requests, split_scores
 
 TESTS = Path(__file__).resolve().parent
 REPLICAS = 2
@@ -48,7 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, published: tuple[Path, list
     port, metrics_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "recsdk.serving", "serve", str(root), "--model", "serving_models:recommender_spec"]
     cmd += ["--replicas", str(REPLICAS), "--port", str(port), "--metrics-port", str(metrics_port)]
-    cmd += ["--poll-s", str(POLL_S)]
+    cmd += ["--poll-s", str(POLL_S), "--batching"]
     log = tmp_path_factory.mktemp("server_log") / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=TESTS, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -350,3 +352,47 @@ def test_the_codec_round_trips_a_weighted_kjt() -> None:
         assert request.sparse.lengths().tolist() == [0, 2, 1, 0]
         assert request.sparse.weights().tolist() == [1.0, 2.0, 0.5]
         assert torch.equal(request.dense, dense)
+
+
+def test_concurrent_requests_merged_into_one_forward_each_get_their_own_scores(
+    server: dict, published: tuple[Path, list]
+) -> None:
+    """Requests arriving together are scored in one forward (``@serve.batch``); every answer
+    holds its own samples' scores, in its own encoding."""
+    want = dict(published[1])
+    problems: list[str] = []
+
+    def client(i: int) -> None:
+        with ServingClient(server["url"], binary=i % 2 == 0) as c:
+            for k in range(12):
+                j = (i + k) % len(EVAL)
+                scores, version = c.score(EVAL[j].sparse_features, EVAL[j].dense_features)
+                if float((scores - want[version][j]).abs().max()) > TOLERANCE["float32"]:
+                    problems.append(f"client {i}, request {k}: not EVAL[{j}]'s scores of version {version}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+
+
+def test_merged_requests_lay_each_feature_request_after_request() -> None:
+    def kjt(values: list[int], lengths: list[int], weights: list[float] | None = None) -> KeyedJaggedTensor:
+        w = None if weights is None else torch.tensor(weights)
+        return KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(values), lengths=torch.tensor(lengths), weights=w)
+
+    first = decode_request(*encode_request(kjt([1, 2, 3], [1, 2]), torch.zeros(1, 2)), ["a", "b"], 2, 8)
+    second = decode_request(
+        *encode_request(kjt([4, 5, 6], [2, 0, 1, 0], [0.5, 0.25, 2.0]), torch.ones(2, 2)), ["a", "b"], 2, 8
+    )
+    merged = merge_requests([first, second])
+    assert merged.sparse.keys() == ["a", "b"] and merged.batch_size == 3
+    assert merged.sparse.lengths().tolist() == [1, 2, 0, 2, 1, 0]
+    assert merged.sparse.values().tolist() == [1, 4, 5, 2, 3, 6]
+    assert merged.sparse.weights().tolist() == [1.0, 0.5, 0.25, 1.0, 1.0, 2.0]
+    assert torch.equal(merged.dense, torch.cat([torch.zeros(1, 2), torch.ones(2, 2)]))
+    a, b = split_scores(torch.arange(3.0), [first, second])
+    assert a.tolist() == [0.0] and b.tolist() == [1.0, 2.0]
+    assert merge_requests([first]) is first

@@ -31,8 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--poll-s", type=float, default=1.0, help="seconds between a replica's looks for versions")
     serve.add_argument("--metrics-port", type=int, default=None, help="Ray's Prometheus metrics port (default: none)")
-    serve.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: cores/replicas)")
+    serve.add_argument(
+        "--threads", type=int, default=None, help="torch threads per replica (default: (cores - 1) / replicas, >= 1)"
+    )
     serve.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy", help="Ray Serve's ingress")
+    serve.add_argument(
+        "--batching", action="store_true", help="score requests that arrive together in one forward (@serve.batch)"
+    )
     args = parser.parse_args(argv)
     if args.command == "inspect":
         try:
@@ -58,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             threads=args.threads,
             ingress=args.ingress,
+            batching=args.batching,
         )
     except ValueError as e:
         print(f"serve: {e}", file=sys.stderr)

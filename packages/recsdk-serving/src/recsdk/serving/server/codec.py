@@ -153,20 +153,44 @@ def decode_request(
             if parts[name][2] is None:
                 lengths, values, _ = parts[name]
                 parts[name] = (lengths, values, torch.ones(values.numel(), dtype=torch.float32))
+    ordered = [parts[f] for f in features]
+    lengths = torch.cat([p[0] for p in ordered])
+    if lengths.dtype != torch.int64:
+        lengths = lengths.long()
+    if not _lengths_agree(lengths, ordered, batch):
+        _name_the_bad_feature(parts, features)
     sparse = KeyedJaggedTensor(
         keys=list(features),
-        values=torch.cat([parts[f][1] for f in features]),
-        lengths=torch.cat([parts[f][0] for f in features]),
-        weights=torch.cat([parts[f][2] for f in features]) if weighted else None,  # type: ignore[misc]
+        values=torch.cat([p[1] for p in ordered]),
+        lengths=lengths,
+        weights=torch.cat([p[2] for p in ordered]) if weighted else None,  # type: ignore[misc]
+        stride=batch,
     )
-    for name in features:  # one feature at a time, so that the message names it
+    return DecodedRequest(sparse, dense, kind == BINARY_REQUEST)
+
+
+def _lengths_agree(lengths: torch.Tensor, parts: list[_Part], batch: int) -> bool:
+    """Whether every feature's lengths are ``>= 0`` and add up to its ids (and weights): the
+    common path, two reductions over all the lengths at once."""
+    if lengths.numel() == 0:
+        return True
+    ids = torch.tensor([p[1].numel() for p in parts])
+    if any(p[2] is not None and p[2].numel() != p[1].numel() for p in parts):
+        return False
+    return bool(lengths.min() >= 0) and torch.equal(lengths.view(len(parts), batch).sum(1), ids)
+
+
+def _name_the_bad_feature(parts: dict[str, _Part], features: Sequence[str]) -> None:
+    """Raise the :class:`RequestError` of the first feature ``check_batch`` refuses (one feature
+    at a time, so that the message names it)."""
+    for name in features:
         lengths, values, weights = parts[name]
         one = KeyedJaggedTensor(keys=[name], values=values, lengths=lengths, weights=weights)
         try:
             check_batch(one, [name], "request", weights is not None)
         except (ValueError, TypeError) as e:
             raise RequestError(f"sparse.{name}", str(e).removeprefix("request: ")) from None
-    return DecodedRequest(sparse, dense, kind == BINARY_REQUEST)
+    raise RequestError("sparse", "the lengths do not add up to the ids")
 
 
 def encode_request(
@@ -338,7 +362,7 @@ def _parse_binary(body: bytes, dense_width: int) -> tuple[dict[str, _Part], torc
         if weighted:
             weights = _view(buf, torch.float32, n, offset)
             offset += 4 * n
-        parts[name] = (lengths.long(), values, weights)
+        parts[name] = (lengths, values, weights)
     dense = _view(buf, torch.float32, batch * width, offset)
     return parts, dense.reshape(batch, width), batch
 

@@ -4,7 +4,9 @@ Routes (any replica answers; with HAProxy in front, requests spread over the rep
 
 - ``POST /score``: a request (JSON or binary, :mod:`recsdk.serving.server.codec`); the scores
   and the version that produced them (``X-Recsdk-Version``, ``X-Recsdk-Replica`` headers), or a
-  4xx naming the field;
+  4xx naming the field. With ``batching``, requests that arrive while the model is busy are
+  scored together in one forward (Ray Serve's ``@serve.batch``, up to ``ModelSpec.max_batch``
+  samples, no waiting: a lone request is scored at once), each answered with its own scores;
 - ``GET /live``: 200 while the replica runs;
 - ``GET /ready``: 200 once every replica serves a version, 503 before;
 - ``GET /health``: JSON, every replica's state (version, step, age, last error, requests,
@@ -20,6 +22,7 @@ import os
 import time
 from typing import Any
 
+from recsdk.serving.server.codec import DecodedRequest
 from recsdk.serving.server.metrics import ReplicaMetrics
 from recsdk.serving.server.model_spec import build_spec
 from recsdk.serving.server.replica import Answer, Replica
@@ -54,6 +57,11 @@ class HealthBoard:
         return {"ready": ready, "replicas_expected": self._replicas, "versions": versions, "replicas": states}
 
 
+def _samples(pending: list[tuple[DecodedRequest, float]]) -> int:
+    """The samples of queued requests: what ``@serve.batch`` bounds by ``ModelSpec.max_batch``."""
+    return sum(request.batch_size for request, _ in pending)
+
+
 @serve.deployment(
     ray_actor_options={"num_cpus": 0},
     max_ongoing_requests=64,
@@ -67,16 +75,19 @@ class ServingDeployment:
         model (str): ``package.module:factory`` returning a :class:`ModelSpec`.
         root (str): the publisher's root.
         poll_s (float): seconds between looks for new versions.
+        batching (bool): score concurrent requests in one forward (``@serve.batch``); off by default.
 
     Its torch intra-op threads are set where Ray starts the replica's process
     (:func:`~recsdk.serving.server.launch.serve`: ``OMP_NUM_THREADS`` in its runtime environment).
     """
 
-    def __init__(self, model: str, root: str, poll_s: float) -> None:
+    def __init__(self, model: str, root: str, poll_s: float, batching: bool = False) -> None:
         self._id = serve.get_replica_context().replica_id.unique_id
         self._board = ray.get_actor(BOARD_NAME, namespace=BOARD_NAMESPACE)
         self._metrics = ReplicaMetrics(self._id)
         self.replica = Replica(build_spec(model), root, poll_s, on_poll=self._polled)
+        self._batching = batching
+        self._scored.set_max_batch_size(self.replica.spec.max_batch)  # samples, by _samples
 
     def _polled(self, replica: Replica) -> None:
         self._metrics.update(replica)
@@ -86,7 +97,14 @@ class ServingDeployment:
         path = request.url.path.rstrip("/")
         if request.method == "POST" and path == "/score":
             body = await request.body()
-            answer = self.replica.answer(body, request.headers.get("content-type", ""))
+            start = time.perf_counter()
+            decoded = self.replica.decode(body, request.headers.get("content-type", ""))
+            if isinstance(decoded, Answer):
+                answer = decoded
+            elif self._batching:
+                answer = await self._scored((decoded, start))
+            else:
+                answer = self.replica.score([decoded], [start])[0]
             self._metrics.record(answer)
             return self._response(answer)
         if request.method == "GET" and path == "/live":
@@ -102,6 +120,11 @@ class ServingDeployment:
             404,
             media_type="text/plain",
         )
+
+    @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.0, batch_size_fn=_samples)
+    async def _scored(self, pending: list[tuple[DecodedRequest, float]]) -> list[Answer]:
+        """The requests that queued while the model was busy, scored in one forward."""
+        return self.replica.score([r for r, _ in pending], [t for _, t in pending])
 
     def _response(self, answer: Answer) -> Any:
         headers = {"X-Recsdk-Replica": self._id}

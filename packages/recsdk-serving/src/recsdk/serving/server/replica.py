@@ -14,13 +14,14 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from recsdk.serving.server.codec import RequestError, decode_request, encode_scores
+from recsdk.serving.server.codec import DecodedRequest, RequestError, decode_request, encode_scores
+from recsdk.serving.server.merge import merge_requests, split_scores
 from recsdk.serving.server.model_spec import ModelSpec
 from recsdk.serving.serving_model import ServingModel
 
@@ -55,7 +56,7 @@ class Replica:
     Example::
 
         replica = Replica(factory(), "publish/", poll_s=1.0)
-        answer = replica.answer(body, "application/json")
+        answer = replica.answer(body, "application/json")  # or decode, then score several at once
         replica.health()["version"]
     """
 
@@ -93,30 +94,56 @@ class Replica:
     def answer(self, body: bytes, content_type: str) -> Answer:
         """Score a request body; a bad request gets its 4xx and message, and changes nothing."""
         start = time.perf_counter()
+        request = self.decode(body, content_type)
+        if isinstance(request, Answer):
+            return request
+        return self.score([request], [start])[0]
+
+    def decode(self, body: bytes, content_type: str) -> DecodedRequest | Answer:
+        """A request body checked and decoded, or the refusal's :class:`Answer` (4xx, 503)."""
         self.requests += 1
-        serving = self.serving
-        if serving is None:
+        if self.serving is None:
             return _text(503, f"no version loaded from {self.root!r} yet: {self.last_error}")
         try:
-            request = decode_request(body, content_type, self.spec.features, self.spec.dense_width, self.spec.max_batch)
+            return decode_request(body, content_type, self.spec.features, self.spec.dense_width, self.spec.max_batch)
         except RequestError as e:
             self.refused += 1
             return _text(e.status, str(e))
+
+    def score(self, requests: Sequence[DecodedRequest], starts: Sequence[float]) -> list[Answer]:
+        """Score decoded requests in one forward, on one version; one :class:`Answer` each.
+
+        Args:
+            requests (Sequence[DecodedRequest]): requests of :meth:`decode`.
+            starts (Sequence[float]): when each arrived (``time.perf_counter()``), for its latency.
+
+        A forward that fails for several requests is run again for each alone, so that each
+        gets its own answer (a refused request cannot fail the others).
+        """
+        serving = self.serving
+        assert serving is not None  # decode answered 503 before
+        merged = merge_requests(requests)
         try:
-            version, scores = self._score(serving, request.sparse, request.dense)
-        except (ValueError, TypeError) as e:  # the serving collections' own checks: still the request's fault
-            self.refused += 1
-            return _text(400, f"sparse: {e}")
+            version, scores = self._score(serving, merged.sparse, merged.dense)
         except Exception as e:
+            if len(requests) > 1:
+                return [self.score([r], [t])[0] for r, t in zip(requests, starts, strict=True)]
+            if isinstance(e, ValueError | TypeError):  # the serving collections' checks: the request's fault
+                self.refused += 1
+                return [_text(400, f"sparse: {e}")]
             self.errors += 1
-            return _text(500, f"{type(e).__name__}: {e}")
-        if scores.numel() != request.batch_size:
-            self.errors += 1
-            return _text(500, f"the model's predict gave {scores.numel()} scores for {request.batch_size} samples")
-        body_out, kind = encode_scores(scores, version, request.binary)
-        latency_ms = (time.perf_counter() - start) * 1e3
-        self._latencies_ms.append(latency_ms)
-        return Answer(200, body_out, kind, version, request.batch_size, latency_ms)
+            return [_text(500, f"{type(e).__name__}: {e}")]
+        if scores.numel() != merged.batch_size:
+            self.errors += len(requests)
+            message = f"the model's predict gave {scores.numel()} scores for {merged.batch_size} samples"
+            return [_text(500, message) for _ in requests]
+        answers = []
+        for request, start, part in zip(requests, starts, split_scores(scores, requests), strict=True):
+            body, kind = encode_scores(part, version, request.binary)
+            latency_ms = (time.perf_counter() - start) * 1e3
+            self._latencies_ms.append(latency_ms)
+            answers.append(Answer(200, body, kind, version, request.batch_size, latency_ms))
+        return answers
 
     def health(self) -> dict[str, Any]:
         """This replica's state: ready, the version served, its step and age, the last error."""
