@@ -64,7 +64,7 @@ class CountMinSketch:
 
     def estimate(self, positions: torch.Tensor) -> torch.Tensor:
         """Estimated counts (``[n]``, the counters' dtype) for ``positions`` from :meth:`positions`."""
-        values = self.counters[positions]
+        values = self.counters.index_select(0, positions.reshape(-1)).view(positions.shape)
         out = values[0]
         for j in range(1, self.num_hashes):  # a row-by-row minimum: amin over dim 0 is a slow strided reduction
             out = torch.minimum(out, values[j])

@@ -112,8 +112,8 @@ class IdTableEviction:
 
     def placed(self, rows: torch.Tensor, step: int) -> None:
         """Rows just given to new ids at ``step``."""
-        self._last_step[rows] = step
-        self._freq[rows] = 1
+        self._last_step.index_fill_(0, rows, step)
+        self._freq.index_fill_(0, rows, 1)
 
     def metadata(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 ``last_step`` and ``freq`` of ``rows`` (copies)."""

@@ -131,7 +131,7 @@ class RowAllocator:
         if self._report_first_use:
             reused = rows
         else:
-            reused = stacked[self._row_state[stacked] == RETIRED]
+            reused = stacked[self._row_state.index_select(0, stacked) == RETIRED]
             if self._tail_retired:
                 reused = torch.cat([reused, fresh])
         if reused.numel():
@@ -145,8 +145,8 @@ class RowAllocator:
 
     def occupy(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Store distinct ``ids`` at free ``rows`` already taken (by :meth:`pop` or :meth:`claim`)."""
-        self._row_id[rows] = ids
-        self._row_state[rows] = OCCUPIED
+        self._row_id.index_copy_(0, rows, ids)  # index_copy_/index_fill_: a few times faster than
+        self._row_state.index_fill_(0, rows, OCCUPIED)  # advanced-index writes on CPU
         self._size += ids.numel()
 
     def release(self, rows: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class RowAllocator:
             torch.Tensor: int64 the ids they held, in the order of ``rows``.
         """
         ids = self._row_id.index_select(0, rows)
-        self._row_state[rows] = RETIRED
+        self._row_state.index_fill_(0, rows, RETIRED)
         n = rows.numel()
         self._free[self._free_top : self._free_top + n] = rows.to(torch.int32)
         self._free_top += n
