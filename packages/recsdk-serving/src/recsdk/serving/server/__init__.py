@@ -9,6 +9,7 @@ itself (``launch``, ``deployment``, ``metrics``) needs ``recsdk-serving[server]`
 | ``codec`` | requests and answers: JSON and binary, decoded and checked (4xx naming the field) |
 | ``model_spec`` | ``ModelSpec``: the model, its features, dense width and ``predict`` |
 | ``replica`` | ``Replica``: a ``ServingModel`` following ROOT, the answer to a body, health |
+| ``merge`` | several decoded requests as one forward's batch, and its scores cut back per request |
 | ``metrics`` | the replica's metrics in Ray Serve's metrics system |
 | ``deployment`` | the Ray Serve deployment and the health board (a Ray actor) |
 | ``launch`` | ``serve``: Ray and the replicas started on this machine |
