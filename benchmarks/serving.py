@@ -13,9 +13,13 @@ in fp32 and int8, and served in this process. One JSON line per measurement:
   (``recsdk.serving.grouped_lookup``);
 - ``batch_check``: per thread count and dtype at batch 512, what ``check_batch`` costs: forwards
   with it against the same forwards with it replaced by the bare ``asynchronous_complete_cumsum``
-  of the lengths (what a forward needs without the check), ``--check-rounds`` interleaved rounds;
-  ``cost_pct`` = (with / without - 1) * 100 from the medians of the rounds' mean forward times
-  (target < 3); and the check alone against the bare cumsum alone, in µs per call;
+  of the lengths and the read of its total (what a forward needs without the check),
+  ``--check-rounds`` rounds, each two passes over the batches alternating forward by forward
+  (so load that comes and goes hits both alike); ``cost_pct`` = (with / without - 1) * 100 from
+  the medians of the per-forward times (target < 3), ``cost_of_means_pct`` the same from the
+  medians of the rounds' mean forward times (a preempted forward weighs in); the check alone
+  against the bare cumsum alone, in µs per call, and ``check_net_pct``, their difference over
+  the forward without the check;
 - ``apply_delta``: ``ServingModel.refresh()`` of a delta of ``--delta-rows`` rows, its seconds,
   and the p99 latency of forwards (batch 512, another thread) while deltas apply against the
   p99 while none does (target <= 2x);
@@ -189,8 +193,10 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
 
 
 def _offsets_only(features: KeyedJaggedTensor, feature_names: list[str], module: str, is_weighted: bool) -> Any:
-    """What a forward computes of its batch without ``check_batch``: the offsets, nothing checked."""
-    return torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths())
+    """What a forward computes of its batch without ``check_batch``: the offsets and their total
+    (which ``feature_bounds`` reads), nothing checked."""
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths())
+    return offsets, int(offsets[-1])
 
 
 def _mean_seconds(fn: Any, inputs: list[Any]) -> float:
@@ -201,8 +207,28 @@ def _mean_seconds(fn: Any, inputs: list[Any]) -> float:
         return (time.perf_counter() - start) / len(inputs)
 
 
+def _interleaved_forwards(
+    collection: Any, raw: list[KeyedJaggedTensor], checked: Any, round_index: int
+) -> tuple[list[float], list[float]]:
+    """Two passes over ``raw``, alternating forward by forward between ``checked`` and
+    :func:`_offsets_only` as the collections' ``check_batch`` (which batches get the check swaps
+    between the passes and every round, so each batch runs both ways): per-forward seconds with
+    the check and without."""
+    with_check: list[float] = []
+    without: list[float] = []
+    with torch.no_grad():
+        for half in (0, 1):
+            for i, kjt in enumerate(raw):
+                check = (i + half + round_index) % 2 == 0
+                collections_module.check_batch = checked if check else _offsets_only
+                start = time.perf_counter()
+                collection(kjt)
+                (with_check if check else without).append(time.perf_counter() - start)
+    return with_check, without
+
+
 def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids: dict[str, torch.Tensor]) -> None:
-    """Forwards at batch 512 with ``check_batch`` and with it bypassed, interleaved round by round."""
+    """Forwards at batch 512 with ``check_batch`` and with it bypassed, interleaved forward by forward."""
     checked = collections_module.check_batch
     raw = [r for r, _ in _batches(args, ids, 512, args.forwards)]
     features = feature_names(args.tables)
@@ -211,21 +237,25 @@ def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids:
         for dtype, serving in served.items():
             collection = serving.model.ebc
             collection.lookup_threads = threads
-            with_check: list[float] = []
+            with_check: list[float] = []  # per forward, every round
             without: list[float] = []
+            round_means: list[tuple[float, float]] = []
             check_alone: list[float] = []
             cumsum_alone: list[float] = []
             try:
-                for _ in range(args.check_rounds):  # interleaved: with, without, with, ...
-                    collections_module.check_batch = checked
-                    with_check.append(_mean_seconds(collection, raw))
-                    collections_module.check_batch = _offsets_only
-                    without.append(_mean_seconds(collection, raw))
+                for r in range(args.check_rounds):
+                    ours_r, theirs_r = _interleaved_forwards(collection, raw, checked, r)
+                    with_check += ours_r
+                    without += theirs_r
+                    round_means.append((statistics.mean(ours_r), statistics.mean(theirs_r)))
                     check_alone.append(_mean_seconds(lambda k: checked(k, features, "bench", False), raw))
                     cumsum_alone.append(_mean_seconds(lambda k: _offsets_only(k, features, "bench", False), raw))
             finally:
                 collections_module.check_batch = checked
             ours, theirs = statistics.median(with_check), statistics.median(without)
+            ours_mean = statistics.median(m for m, _ in round_means)
+            theirs_mean = statistics.median(m for _, m in round_means)
+            check_us, cumsum_us = statistics.median(check_alone) * 1e6, statistics.median(cumsum_alone) * 1e6
             line = {
                 "benchmark": "serving",
                 "measurement": "batch_check",
@@ -233,12 +263,15 @@ def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids:
                 "threads": threads,
                 "batch_size": 512,
                 "rounds": args.check_rounds,
+                "forwards": len(with_check) + len(without),
                 "forward_ms": ours * 1e3,
-                "baseline": "the same forward without check_batch (the lengths' cumsum only)",
+                "baseline": "the same forward without check_batch (the lengths' cumsum and its total only)",
                 "baseline_forward_ms": theirs * 1e3,
                 "cost_pct": (ours / theirs - 1) * 100,
-                "check_us": statistics.median(check_alone) * 1e6,
-                "cumsum_us": statistics.median(cumsum_alone) * 1e6,
+                "cost_of_means_pct": (ours_mean / theirs_mean - 1) * 100,
+                "check_us": check_us,
+                "cumsum_us": cumsum_us,
+                "check_net_pct": (check_us - cumsum_us) * 1e-3 / (theirs * 1e3) * 100,
                 "ratio": theirs / ours,
             }
             print(json.dumps(line), flush=True)

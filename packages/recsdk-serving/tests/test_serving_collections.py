@@ -18,6 +18,7 @@ from recsdk.embedding import (
 from recsdk.embedding.publication import encode_rows
 from recsdk.serving import ServingEmbeddingBagCollection, ServingEmbeddingCollection
 from recsdk.serving import serving_collections as collections_module
+from recsdk.serving.batch_checks import check_batch
 from recsdk.serving.grouped_lookup import feature_bounds
 
 EDGE_IDS = [-1, 0, 2**63 - 1, -(2**63)]
@@ -125,7 +126,7 @@ def test_a_staged_version_is_served_only_once_committed() -> None:
 
 
 def _kjt(
-    keys: list[str], values: list[int] | torch.Tensor, lengths: list[int], **kwargs: torch.Tensor
+    keys: list[str], values: list[int] | torch.Tensor, lengths: list[int], **kwargs: torch.Tensor | int
 ) -> KeyedJaggedTensor:
     ids = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     return KeyedJaggedTensor(keys=keys, values=ids, lengths=torch.tensor(lengths, dtype=torch.int64), **kwargs)
@@ -138,6 +139,44 @@ BAD_BATCHES = [
     (_kjt(["f", "g"], [], []), ValueError, "has a batch of 0 samples; it must be > 0"),
     (_kjt(["f", "g"], [1, 2, 3], [2, -1, 1, 1]), ValueError, r"negative lengths in features f \(sample 1: -1\)"),
     (_kjt(["f", "g"], [1, 2, 3], [2, 1, 1, 1]), ValueError, r"add up to 5 \(f: 3, g: 2\) but the KJT has 3 ids"),
+    (_kjt(["f", "g"], torch.tensor([[1], [2]]), [1, 1]), ValueError, "ids of features .* must be 1-D, got 2-D"),
+    (
+        KeyedJaggedTensor(
+            keys=["f", "g"],
+            values=torch.tensor([1, 2, 3]),
+            lengths=torch.tensor([1, 1, 1]),
+            stride_per_key_per_rank=[[1], [2]],
+        ),
+        ValueError,
+        "has a variable batch per feature",
+    ),
+    (  # as many lengths as features x its stride (the largest batch)
+        KeyedJaggedTensor(
+            keys=["f", "g"],
+            values=torch.tensor([1, 2, 3, 4]),
+            lengths=torch.tensor([1, 1, 1, 1]),
+            stride_per_key_per_rank=[[2], [2]],
+        ),
+        ValueError,
+        "has a variable batch per feature",
+    ),
+    (
+        KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([1, 2]), lengths=torch.ones(2, dtype=torch.int16)),
+        TypeError,
+        "lengths of features .* must be int64 or int32, got (torch.int16|2)",
+    ),
+    (
+        _kjt(["f", "g"], [1, 2, 3], [1, 1, 1], stride=2),
+        ValueError,
+        r"has 3 lengths for 2 features x batch 2; it needs one length per feature and sample \(4\)",
+    ),
+    (
+        KeyedJaggedTensor(
+            keys=["f", "g"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.ones(2, 2, dtype=torch.int64), stride=2
+        ),
+        ValueError,
+        "has 4 lengths for 2 features x batch 2",
+    ),
 ]
 
 
@@ -164,6 +203,24 @@ def test_a_bad_batch_is_refused_naming_the_features_before_any_kernel(
 
 def _no_kernel(*args: object) -> None:
     raise AssertionError("a bad batch reached an FBGEMM kernel")
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_int32_ids_and_lengths_are_served_as_int64(scripted: bool) -> None:
+    ebc = HashEmbeddingBagCollection(
+        tables=[HashEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=8, feature_names=["f", "g"])],
+        device="meta",
+    )
+    serving = ServingEmbeddingBagCollection(ebc, "float32")
+    serving.apply_version(_version("full", {"a": ([1, 2, 3], [1.0, 2.0, 3.0], [])}, "float32"))
+    forward = torch.jit.script(serving) if scripted else serving
+    wide = _kjt(["g", "f"], [1, 2, 3, 3], [2, 0, 1, 1])
+    narrow = KeyedJaggedTensor(keys=["g", "f"], values=wide.values().int(), lengths=wide.lengths().int(), stride=2)
+    expected = forward(wide).values()
+    assert expected[:, 0].tolist() == [3.0, 3.0] and expected[:, 4].tolist() == [3.0, 0.0]  # f, then g
+    assert torch.equal(forward(narrow).values(), expected)
+    offsets, num_ids = check_batch(narrow, ["g", "f"], "test", False)
+    assert offsets.dtype == torch.int64 and offsets.tolist() == [0, 2, 2, 3, 4] and num_ids == 4
 
 
 def test_weights_and_an_unpooled_batch_are_checked() -> None:

@@ -93,7 +93,12 @@ def kernel_view(kernel: IntNBitTableBatchedEmbeddingBagsCodegen) -> KernelView:
 
 
 def feature_bounds(
-    offsets: torch.Tensor, batch: int, num_features: int, threads: int, min_ids: int = MIN_IDS_PER_GROUP
+    offsets: torch.Tensor,
+    batch: int,
+    num_features: int,
+    threads: int,
+    min_ids: int = MIN_IDS_PER_GROUP,
+    num_ids: int | None = None,
 ) -> list[int]:
     """Cut ``num_features`` features into at most ``threads`` contiguous groups of about as many ids.
 
@@ -103,6 +108,8 @@ def feature_bounds(
         num_features (int): features in the batch.
         threads (int): the most groups.
         min_ids (int): the fewest ids per group.
+        num_ids (int | None): ``offsets[-1]`` when the caller has read it already
+            (:func:`~recsdk.serving.batch_checks.check_batch` returns it); read here if ``None``.
 
     Returns:
         list[int]: ``[0, ..., num_features]``, group ``g`` being features
@@ -113,7 +120,7 @@ def feature_bounds(
 
         feature_bounds(offsets, 512, 4, 2)  # [0, 2, 4] for 4 features of as many ids
     """
-    total = int(offsets[-1])
+    total = int(offsets[-1]) if num_ids is None else num_ids
     groups = min(threads, num_features, total // min_ids)
     if groups <= 1:
         return [0, num_features]

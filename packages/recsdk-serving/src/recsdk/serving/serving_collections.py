@@ -113,7 +113,7 @@ class _ServingCollection(nn.Module):
         does not hold the id: the kernel skips it), split by features over up to
         :attr:`lookup_threads` threads:
         :func:`~recsdk.serving.grouped_lookup.lookup_in_groups`."""
-        offsets = check_batch(features, self.features, self._name, self._is_weighted)
+        offsets, num_ids = check_batch(features, self.features, self._name, self._is_weighted)
         if features.keys() != self.features:
             features = features.permute([features.keys().index(f) for f in self.features])
             offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(features.lengths().long())
@@ -123,7 +123,9 @@ class _ServingCollection(nn.Module):
             if given is not None:
                 weights = given.float()
         batch = features.stride()
-        bounds = feature_bounds(offsets, batch, len(self.features), self.lookup_threads, self.min_ids_per_group)
+        bounds = feature_bounds(
+            offsets, batch, len(self.features), self.lookup_threads, self.min_ids_per_group, num_ids
+        )
         out = lookup_in_groups(
             features.values().long(),
             offsets,
