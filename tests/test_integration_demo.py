@@ -1,4 +1,8 @@
-"""The little demo (examples/little_demo/main.py) run as a user runs it: a subprocess on 2 ranks."""
+"""The little demo (examples/little_demo/main.py) run as a user runs it: a subprocess on 2 ranks.
+
+Runs that do not depend on each other start together (their own folders), so that one's start-up
+(imports, spawning ranks, planning) overlaps another's on this 2-core machine.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,8 @@ CACHE_KEYS = {"cache_slots", "cache_lookups", "cache_hits", "cache_hit_rate", "s
 }
 # The random-data runs: long enough for the target attention to find the history's signal.
 RANDOM_STEPS = 60
+# name -> (a started demo, its logs' name: ``start_demo``'s ``log``, also its --out folder if it has one)
+Runs = dict[str, tuple[subprocess.Popen[str], Path]]
 # Eval AUC with the history minus without it, after RANDOM_STEPS steps: about 0.10 to 0.13 over
 # seeds 0, 1, 2 (0.7769 vs 0.6480 for seed 0); after the default 600 steps about 0.10.
 HISTORY_AUC_MARGIN = 0.05
@@ -36,6 +43,33 @@ def run_demo(*flags: str, timeout_s: float = 240) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, str(DEMO), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
     )
+
+
+def start_demo(*flags: str, log: Path) -> subprocess.Popen[str]:
+    """Start the demo with ``flags``, its stdout and stderr going to ``log``.stdout and ``log``.stderr
+    (files, not pipes: a test waits on one run while others write)."""
+    with open(f"{log}.stdout", "w") as stdout, open(f"{log}.stderr", "w") as stderr:
+        return subprocess.Popen([sys.executable, str(DEMO), *flags], cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
+
+
+def finish_demo(proc: subprocess.Popen[str], log: Path, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    """Wait for a run of :func:`start_demo`; a hung run is killed and fails the test."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    stdout, stderr = Path(f"{log}.stdout").read_text(), Path(f"{log}.stderr").read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill the runs still going (a test failed before waiting for them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def check_summary(out: Path, steps: int) -> dict:
@@ -59,10 +93,35 @@ def check_summary(out: Path, steps: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def random_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict]:
+def random_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """The three runs on random data, started together: name -> (process, its --out folder).
+
+    ``history``: the default; ``no_history``: the same without the history, no evals but the
+    last; ``cache``: a device cache on the row-wise tables, publishing a version every 20 steps
+    to ``cache_publish`` beside its folder.
+    """
+    root = tmp_path_factory.mktemp("random")
+    base = ["--world-size", "2", "--steps", str(RANDOM_STEPS)]
+    publish = ["--publish-dir", str(root / "cache_publish"), "--publish-every", "20"]
+    flags = {
+        "history": [*base, "--eval-every", "20"],
+        "no_history": [*base, "--eval-every", "0", "--no-history"],
+        "cache": [*base, "--eval-every", "20", "--cache-load-factor", "0.25", *publish],
+    }
+    runs = {
+        name: (start_demo(*f, "--out", str(root / name), log=root / name), root / name) for name, f in flags.items()
+    }
+    yield runs
+    stop_all([proc for proc, _ in runs.values()])
+
+
+@pytest.fixture(scope="module")
+def random_run(
+    random_runs: Runs,
+) -> tuple[subprocess.CompletedProcess[str], dict]:
     """The demo on random data, with the history (the default): its output and summary."""
-    out = tmp_path_factory.mktemp("random") / "out"
-    proc = run_demo("--world-size", "2", "--steps", str(RANDOM_STEPS), "--eval-every", "20", "--out", str(out))
+    started, out = random_runs["history"]
+    proc = finish_demo(started, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, check_summary(out, steps=RANDOM_STEPS)
 
@@ -93,13 +152,13 @@ def test_demo_on_random_data_writes_summary_and_plot(random_run: tuple[subproces
 
 
 def test_the_history_raises_the_eval_auc(
-    tmp_path: Path, random_run: tuple[subprocess.CompletedProcess[str], dict]
+    random_runs: Runs,
+    random_run: tuple[subprocess.CompletedProcess[str], dict],
 ) -> None:
     # The same samples and labels (the teacher reads the history either way), the same steps; the
     # model just does not see the history.
-    out = tmp_path / "out"
-    flags = ["--world-size", "2", "--steps", str(RANDOM_STEPS), "--eval-every", "0", "--no-history"]
-    proc = run_demo(*flags, "--out", str(out))
+    started, out = random_runs["no_history"]
+    proc = finish_demo(started, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     without = check_summary(out, steps=RANDOM_STEPS)
     assert without["history"] is False
@@ -110,14 +169,15 @@ def test_the_history_raises_the_eval_auc(
 
 
 def test_a_device_cache_trains_the_same_model(
-    tmp_path: Path, random_run: tuple[subprocess.CompletedProcess[str], dict]
+    random_runs: Runs,
+    random_run: tuple[subprocess.CompletedProcess[str], dict],
 ) -> None:
     # The row-wise tables (user, item) keep every row in host memory and a quarter in the fused
     # kernel: a lossless cache, so the run is the all-resident run, bit for bit. The run also
-    # publishes versions for serving, which changes nothing in the training.
-    out, published = tmp_path / "out", tmp_path / "publish"
-    flags = ["--world-size", "2", "--steps", str(RANDOM_STEPS), "--eval-every", "20", "--cache-load-factor", "0.25"]
-    proc = run_demo(*flags, "--out", str(out), "--publish-dir", str(published), "--publish-every", "20")
+    # publishes versions for serving (every 20 steps), which changes nothing in the training.
+    started, out = random_runs["cache"]
+    published = out.parent / "cache_publish"
+    proc = finish_demo(started, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cached = check_summary(out, steps=RANDOM_STEPS)
     resident = random_run[1]
@@ -192,9 +252,24 @@ def test_converted_criteo_trains_exactly_as_the_tsv(tmp_path: Path) -> None:
     assert columnar["tables"] == criteo["tables"]
 
 
-def test_a_bad_flag_exits_with_one_line() -> None:
+@pytest.fixture(scope="module")
+def refused_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    """Two runs refused before any rank starts, started together: ``steps_0`` (``--steps 0``) and
+    ``publish_file`` (``--publish-dir`` names ``file``, a file beside their logs)."""
+    root = tmp_path_factory.mktemp("refused")
+    (root / "file").write_text("not a folder")
+    flags = {
+        "steps_0": ["--world-size", "2", "--steps", "0"],
+        "publish_file": ["--world-size", "2", "--publish-dir", str(root / "file")],
+    }
+    runs = {name: (start_demo(*f, log=root / name), root / name) for name, f in flags.items()}
+    yield runs
+    stop_all([proc for proc, _ in runs.values()])
+
+
+def test_a_bad_flag_exits_with_one_line(refused_runs: Runs) -> None:
     # The whole process as a user runs it: no import-time warning before the one line.
-    proc = run_demo("--world-size", "2", "--steps", "0", timeout_s=120)
+    proc = finish_demo(*refused_runs["steps_0"], timeout_s=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -285,12 +360,12 @@ def test_output_folders_are_checked_before_ranks_spawn(
     assert out == ""
 
 
-def test_an_unusable_output_folder_exits_with_one_line_before_any_rank(tmp_path: Path) -> None:
-    (tmp_path / "file").write_text("not a folder")
-    proc = run_demo("--world-size", "2", "--publish-dir", str(tmp_path / "file"), timeout_s=120)
+def test_an_unusable_output_folder_exits_with_one_line_before_any_rank(refused_runs: Runs) -> None:
+    started, log = refused_runs["publish_file"]
+    proc = finish_demo(started, log, timeout_s=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        f"little_demo: error: --publish-dir {tmp_path / 'file'}: exists and is not a folder"
+        f"little_demo: error: --publish-dir {log.parent / 'file'}: exists and is not a folder"
     ]
 
 

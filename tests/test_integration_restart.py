@@ -5,7 +5,8 @@ Two runs of the little demo under ``torchrun --nproc_per_node=2`` with the same 
 checkpoint every 10 steps: one left alone, and one whose rank 1 is killed with SIGKILL once a
 checkpoint exists (batches read ahead, between checkpoints). TorchElastic stops the other rank
 and starts both again; the demo loads the latest checkpoint (model, optimizer, id tables, each
-rank's data position and RNG) and trains the remaining steps.
+rank's data position and RNG) and trains the remaining steps. The two runs start together (their
+own ports and folders): each one's start-up (imports, rendezvous, planning) overlaps the other's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ FLAGS = ["--steps", "50", "--batch-size", "64", "--eval-every", "25", "--eval-ba
 
 
 def _torchrun(checkpoints: Path, out: Path) -> subprocess.Popen[str]:
+    """The demo under torchrun, its stdout and stderr going to ``out``.stdout and ``out``.stderr
+    (files, not pipes: the test waits on one run while the other one writes)."""
     command = [
         sys.executable,
         "-m",
@@ -38,7 +41,8 @@ def _torchrun(checkpoints: Path, out: Path) -> subprocess.Popen[str]:
         *FLAGS,
         *("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10", "--out", str(out)),
     ]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
+        return subprocess.Popen(command, cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
 
 
 def _workers(agent: int) -> list[int]:
@@ -58,29 +62,31 @@ def _workers(agent: int) -> list[int]:
     return sorted(found)
 
 
-def _finish(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, str]:
+def _finish(proc: subprocess.Popen[str], out: Path, timeout_s: float) -> tuple[int, str, str]:
+    """The exit code (killed after ``timeout_s``), stdout and stderr of the run writing to ``out``."""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        stdout, stderr = proc.communicate()
-    return proc.returncode, stdout, stderr
+        proc.wait()
+    return proc.returncode, Path(f"{out}.stdout").read_text(), Path(f"{out}.stderr").read_text()
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_never_killed(tmp_path: Path) -> None:
-    code, stdout, stderr = _finish(_torchrun(tmp_path / "whole_ckpt", tmp_path / "whole"), 300)
+    whole_run = _torchrun(tmp_path / "whole_ckpt", tmp_path / "whole")
+    checkpoints = tmp_path / "killed_ckpt"
+    proc = _torchrun(checkpoints, tmp_path / "killed")
+    try:
+        _kill_rank_1_after_a_checkpoint(proc, checkpoints)
+    except BaseException:
+        for run in (whole_run, proc):  # torchrun stops its ranks on SIGTERM
+            run.terminate()
+        raise
+    code, stdout, stderr = _finish(whole_run, tmp_path / "whole", 300)
     assert code == 0, stdout[-2000:] + stderr[-4000:]
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
 
-    checkpoints = tmp_path / "killed_ckpt"
-    proc = _torchrun(checkpoints, tmp_path / "killed")
-    deadline = time.monotonic() + 240
-    while not (checkpoints / "step_00000022").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    workers = _workers(proc.pid)
-    assert len(workers) == 2 and proc.poll() is None, (workers, proc.poll())
-    os.kill(workers[-1], signal.SIGKILL)
-    code, stdout, stderr = _finish(proc, 300)
+    code, stdout, stderr = _finish(proc, tmp_path / "killed", 300)
     assert code == 0, stdout[-2000:] + stderr[-4000:]
     killed = json.loads((tmp_path / "killed" / "summary.json").read_text())
 
@@ -88,3 +94,13 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_never_killed(tmp_pa
     assert "resumed from" in stdout
     for key in ("final_train_loss", "eval_auc", "eval_history", "tables", "steps"):
         assert killed[key] == whole[key], key
+
+
+def _kill_rank_1_after_a_checkpoint(proc: subprocess.Popen[str], checkpoints: Path) -> None:
+    """SIGKILL to rank 1 once the run's second checkpoint is written (batches read ahead)."""
+    deadline = time.monotonic() + 240
+    while not (checkpoints / "step_00000022").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2 and proc.poll() is None, (workers, proc.poll())
+    os.kill(workers[-1], signal.SIGKILL)
