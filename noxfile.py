@@ -84,8 +84,12 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """All five packages assembled: cross-package tests and the demo as a test."""
-    _install(session, PACKAGES, [*TEST_TOOLS, "matplotlib"])
+    """All five packages assembled: cross-package tests and the demo as a test.
+
+    Only pytest of the test tools: no test here builds a wheel (hatchling) or draws examples
+    (hypothesis); torchdata and matplotlib are the demo's.
+    """
+    _install(session, PACKAGES, ["pytest", "torchdata", "matplotlib"])
     session.run("pytest", "-q", "tests", *session.posargs)
 
 
