@@ -123,7 +123,8 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- sharded_training.py --steps 10`` runs one script with its own flags.
     """
-    _install(session, PACKAGES, ["matplotlib", "torchdata"])
+    # py-spy: host_stage.py samples the GIL its host stage holds (benchmarks/_gil_sampler.py).
+    _install(session, PACKAGES, ["matplotlib", "torchdata", "py-spy"])
     if session.posargs:
         script, *flags = session.posargs
         session.run("python", str(Path("benchmarks") / Path(script).name), *flags)

@@ -16,13 +16,18 @@ lookup and output dist). Per layout one JSON line:
 - ``host_ms_per_step``: core time of the host work (thread time, one intra-op thread), every
   part below; not the lookup, output dist and row resets (``device_ms_per_step``: device work,
   run here on CPU tensors);
-- ``gil_ms_per_step``: how long the host stage holds the GIL, measured by a probe thread that
-  spins in Python meanwhile: ``wall * (1 - probe rate during / probe rate alone)``. On a GPU the
-  training thread is in Python most of a step, so this is the host work that cannot overlap it
-  (measured at a 50 us switch interval, so that the probe delays the host stage little;
-  ``gil_probe_reads`` is what the probe reads, as a share of the core time, on a Python loop
-  that holds the GIL throughout (1.0 when exact) and on one large sort that releases it (0.0):
-  on a busy machine it reads high);
+- ``gil_ms_per_step``: how long the host stage holds the GIL. On a GPU the training thread is in
+  Python most of a step, so this is the host work that cannot overlap it. Measured by sampling
+  (``gil_measured_by``: ``"sampler"``): ``py-spy record --gil`` samples this process from
+  outside at 1 kHz, only the threads holding the GIL, and the samples whose stack passes through
+  the host stage are its GIL time (``_gil_sampler.py``); ``gil_sampler_reads`` is what it reads,
+  as a share of the core time, on a Python loop that holds the GIL throughout (1.0 when exact)
+  and on one large sort that releases it (0.0). Where py-spy is missing or may not attach
+  (``gil_sampler`` says why), the probe's figure stands in (``gil_measured_by``: ``"probe"``);
+- ``gil_probe_ms_per_step``: the same, read by a probe thread that spins in Python meanwhile:
+  ``wall * (1 - probe rate during / probe rate alone)`` (at a 50 us switch interval, so that the
+  probe delays the host stage little; ``gil_probe_reads`` is its reading of the known work; it
+  competes with what it measures for the GIL and the cores, and reads high on a busy machine);
 - ``parts_ms``: per part (``a/b`` is part of ``a``): ``input_checks``, ``bucketing``,
   ``id_exchange``, ``mapping`` (``find_or_insert`` with the index ``lookup``, ``admission``,
   ``eviction`` (``choose``: the victims, ``free``: freeing them) and ``place``: new ids into their
@@ -66,6 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from _common import DLRM, device_of, feature_names, remap_ids, shard
+from _gil_sampler import GilSampler, sampler_or_why
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torchrec.distributed.planner import ParameterConstraints
@@ -93,6 +99,9 @@ from recsdk.sharding.host.row_ledger import RowLedger
 NUM_DENSE = 13
 WARMUP_SCALE = 4  # the warm-up's batches are this many times larger
 PROBE_SWITCH_INTERVAL_S = 5e-5  # while the GIL probe spins (Python's default: 5 ms)
+# The host stage's frames, for the sampler: the stage on the calling thread, and a table's mapping
+# on a worker thread (with --host-threads above 1; on the calling thread it is inside the first).
+HOST_STAGE_FRAMES = ("_host_stage", "map_table")
 
 
 class Parts:
@@ -333,10 +342,17 @@ def _spinning_probe() -> Iterator[tuple[Probe, float]]:
 
 
 def _measure_hash(
-    module: Any, batches: list[Batch], probed: list[Batch], device: torch.device, clock: Any
+    module: Any,
+    batches: list[Batch],
+    probed: list[Batch],
+    device: torch.device,
+    clock: Any,
+    sampler: GilSampler | None,
+    sampled: list[Batch],
 ) -> dict[str, Any]:
     """One round: host and device ms per step and the parts over ``batches``, the GIL held over
-    ``probed`` (as many other batches: batches seen again would find their ids admitted).
+    ``probed`` by the probe and over ``sampled`` by the sampler (as many other batches each:
+    batches seen again would find their ids admitted).
 
     ``clock``: the core time to count (this thread's; the process's when tables map on several
     threads)."""
@@ -374,9 +390,17 @@ def _measure_hash(
             c0 += probe.count - probe_pause  # the compute's share of the probe does not count
         counted = probe.count - c0
     gil = max(0.0, wall - counted / probe_rate)
+    gil_sampled = None
+    if sampler is not None:  # the host stage's stacks while they hold the GIL, from outside
+        with sampler.sampling() as samples:
+            for batch in sampled:
+                ctx, mapped = _host_stage(module, batch.sparse_features)
+                _compute(module, ctx, mapped, device)
+        gil_sampled = 1e3 * samples.held_s(*HOST_STAGE_FRAMES) / len(sampled)
     out = {
         "host_ms_per_step": 1e3 * host / steps,
-        "gil_ms_per_step": 1e3 * gil / steps,
+        "gil_ms_per_step": gil_sampled if gil_sampled is not None else 1e3 * gil / steps,
+        "gil_probe_ms_per_step": 1e3 * gil / steps,
         "host_stage_wall_ms_per_step": 1e3 * wall / steps,
         "device_ms_per_step": 1e3 * device_s / steps,
         "parts_ms": {k: round(1e3 * v / steps, 2) for k, v in sorted(parts.items())},
@@ -397,9 +421,9 @@ def _probed_gil_ms(work: Any) -> tuple[float, float]:
     return 1e3 * core, 1e3 * max(0.0, wall - counted / rate)
 
 
-def _probe_calibration() -> dict[str, float]:
-    """The probe's reading, as a share of the core time, on work known to hold the GIL throughout
-    (a Python loop: 1.0) and on work that releases it (one large torch sort: 0.0)."""
+def _known_work() -> dict[str, Any]:
+    """Work known to hold the GIL throughout (a Python loop) and work that releases it (one large
+    torch sort), by name; each function is named as its key (the sampler finds it by name)."""
 
     def python_loop() -> None:
         total = 0
@@ -411,10 +435,30 @@ def _probe_calibration() -> dict[str, float]:
     def native_op() -> None:
         torch.sort(values)
 
+    return {"python_loop": python_loop, "native_op": native_op}
+
+
+def _probe_calibration() -> dict[str, float]:
+    """The probe's reading, as a share of the core time, on the known work (exact: 1.0 for the
+    Python loop, 0.0 for the sort)."""
     out = {}
-    for name, work in (("python_loop", python_loop), ("native_op", native_op)):
+    for name, work in _known_work().items():
         core, gil = _probed_gil_ms(work)
         out[name] = round(gil / core, 2)
+    return out
+
+
+def _sampler_calibration(sampler: GilSampler | None) -> dict[str, float] | None:
+    """The sampler's reading, as a share of the core time, on the known work (None: no sampler)."""
+    if sampler is None:
+        return None
+    out = {}
+    for name, work in _known_work().items():
+        start = time.thread_time()
+        with sampler.sampling() as samples:
+            work()
+        core = time.thread_time() - start
+        out[name] = round(samples.held_s(name) / core, 2)
     return out
 
 
@@ -447,8 +491,9 @@ def _run(args: argparse.Namespace) -> None:
     dist.init_process_group(backend=backend_for(device), rank=0, world_size=1)
     host = ShardingEnv(world_size=1, rank=0, pg=dist.new_group(backend="gloo"))
     _instrument()
-    # Every pass maps batches of its own: per round one chunk timed and one probed, then one counted.
-    num = args.warmup + args.steps * (2 * args.rounds + 1)
+    # Every pass maps batches of its own: per round one chunk timed, one probed and one sampled,
+    # then one counted.
+    num = args.warmup + args.steps * (3 * args.rounds + 1)
     batches = _batches(args, num)
     warmup = _batches(args, args.warmup, scale=WARMUP_SCALE, sample_seed=1)
     remapped = remap_ids([batches], feature_names(args.features))[0]
@@ -456,6 +501,8 @@ def _run(args: argparse.Namespace) -> None:
         max(int(b.sparse_features[f].values().max()) + 1 for b in remapped) for f in feature_names(args.features)
     ]
     calibration = _probe_calibration()
+    sampler, sampler_why = sampler_or_why()
+    sampler_calibration = _sampler_calibration(sampler)
     for layout in args.layout:
         hash_dmp = _hash_model(args, layout, host, device)
         (hash_module,) = sharded_hash_modules(hash_dmp).values()
@@ -469,10 +516,10 @@ def _run(args: argparse.Namespace) -> None:
         rounds: list[dict[str, Any]] = []
         baseline: list[float] = []
         for r in range(args.rounds):
-            lo = args.warmup + 2 * r * args.steps
-            chunk, probed = batches[lo : lo + args.steps], batches[lo + args.steps : lo + 2 * args.steps]
+            lo = args.warmup + 3 * r * args.steps
+            chunk, probed, sampled = (batches[lo + i * args.steps : lo + (i + 1) * args.steps] for i in range(3))
             clock = time.thread_time if args.host_threads == 1 else time.process_time
-            rounds.append(_measure_hash(hash_module, chunk, probed, device, clock))
+            rounds.append(_measure_hash(hash_module, chunk, probed, device, clock, sampler, sampled))
             # TorchRec's input dist takes the batch on the device, where its pipeline copies it.
             kjts = [b.sparse_features.to(device) for b in remapped[lo : lo + args.steps]]
             baseline.append(_measure_input_dist(torchrec_module, kjts, device))
@@ -480,7 +527,8 @@ def _run(args: argparse.Namespace) -> None:
         calls: dict[str, Any] = {"torch_calls_per_step": None, "torch_calls": None}  # workers' calls: unseen
         if args.host_threads == 1:
             calls = _count_torch_calls(hash_module, batches[-args.steps :], device)
-        measured_steps = 2 * args.rounds * args.steps  # each round maps two chunks (timed, then probed)
+        chunks = 3 if sampler is not None else 2  # each round maps its chunks: timed, probed, sampled
+        measured_steps = chunks * args.rounds * args.steps
         inserts = sum(stats[n]["inserts"] - stats_before[n]["inserts"] for n in stats) / measured_steps
         evictions = sum(stats[n]["evictions"] - stats_before[n]["evictions"] for n in stats) / measured_steps
         host_ms = statistics.median(r["host_ms_per_step"] for r in rounds)
@@ -499,6 +547,10 @@ def _run(args: argparse.Namespace) -> None:
             "evictions_per_step": round(evictions),
             "host_ms_per_step": round(host_ms, 2),
             "gil_ms_per_step": round(statistics.median(r["gil_ms_per_step"] for r in rounds), 2),
+            "gil_measured_by": "sampler" if sampler is not None else "probe",
+            "gil_sampler": sampler_why,
+            "gil_sampler_reads": sampler_calibration,
+            "gil_probe_ms_per_step": round(statistics.median(r["gil_probe_ms_per_step"] for r in rounds), 2),
             "host_stage_wall_ms_per_step": round(
                 statistics.median(r["host_stage_wall_ms_per_step"] for r in rounds), 2
             ),
