@@ -65,8 +65,10 @@ class CountMinSketch:
     def estimate(self, positions: torch.Tensor) -> torch.Tensor:
         """Estimated counts (``[n]``, the counters' dtype) for ``positions`` from :meth:`positions`."""
         values = self.counters.index_select(0, positions.reshape(-1)).view(positions.shape)
+        if values.dtype == torch.int32:  # one reduction: 3x faster than row by row here
+            return values.amin(0)
         out = values[0]
-        for j in range(1, self.num_hashes):  # a row-by-row minimum: amin over dim 0 is a slow strided reduction
+        for j in range(1, self.num_hashes):  # int64 (scores): amin over dim 0 is 40x slower than rows
             out = torch.minimum(out, values[j])
         return out
 

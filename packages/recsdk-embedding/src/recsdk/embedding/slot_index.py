@@ -247,7 +247,7 @@ class FbgemmSlotIndex(_GrowingSlots):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
-        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
+        offsets = _one_bag(ids.numel())
         rows = torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, self._table, self._table_offsets)
         rows.clamp_(min=-1)  # dead slots read -2
         if self._minus_one_row >= 0:  # an absent -1 already reads -1
@@ -286,8 +286,14 @@ class FbgemmSlotIndex(_GrowingSlots):
     def _write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
-        offsets = torch.tensor([0, ids.numel()], dtype=torch.int64)
+        offsets = _one_bag(ids.numel())
         torch.ops.fbgemm.pruned_hashmap_insert(ids, rows, offsets, self._table, self._table_offsets)
+
+
+def _one_bag(n: int) -> torch.Tensor:
+    """The kernels' offsets ``[0, n]`` for ``n`` ids in one bag of one table (``arange``: half of
+    ``torch.tensor``'s cost, which parses a list)."""
+    return torch.arange(0, n + 1, n, dtype=torch.int64) if n else torch.zeros(2, dtype=torch.int64)
 
 
 def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -> TorchSlotIndex | FbgemmSlotIndex:
