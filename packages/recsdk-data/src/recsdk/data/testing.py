@@ -101,7 +101,12 @@ def run_distributed(
     Each process joins a gloo process group on a free localhost port (timeout
     ``timeout_s``) with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set, so code under test can
     create further groups with ``dist.new_group``. Thread settings are ``fn``'s to make
-    (torchrun would give each of several ranks per host one intra-op thread).
+    (torchrun would give each of several ranks per host one intra-op thread), or the
+    environment's: the ranks fork from a forkserver started with the caller's environment, so a
+    test suite's ``conftest.py`` that sets ``OMP_NUM_THREADS=1`` before torch is imported (as
+    recsdk-sharding's and recsdk-pipeline's do) gives every rank one thread, and 2 to 4 ranks on
+    a small machine do not each run an OpenMP pool that spins against the others' (a rank's step
+    took 3 to 4 times as long on 2 cores).
 
     Args:
         fn (Callable): a picklable function ``fn(rank, world_size, *args)``; its return
