@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,15 +59,37 @@ class Samples:
         counted once. A name matches a frame's function or the end of its qualified name (py-spy
         names ``f`` nested in ``g`` ``g.<locals>.f``, a method ``Class.method``)."""
         wanted = set(functions)
+        return sum(n for stack, n in self._stacks if any(_matches(f, wanted) for f in _functions(stack))) / self._rate
 
-        def passes(stack: str) -> bool:
-            for frame in stack.split(";")[1:]:
-                name = frame.rpartition(" (")[0]
-                if name in wanted or name.rpartition(".")[2] in wanted:
-                    return True
-            return False
+    def held_s_by(self, parts: dict[str, str], within: tuple[str, ...]) -> dict[str, float]:
+        """:meth:`held_s` of the stacks through ``within``, split by part: each stack goes to the
+        innermost of its functions named in ``parts`` (function -> part; ``"other"``: none).
 
-        return sum(n for stack, n in self._stacks if passes(stack)) / self._rate
+        Returns:
+            dict[str, float]: seconds per part.
+        """
+        wanted, out = set(within), defaultdict(float)
+        for stack, n in self._stacks:
+            functions = _functions(stack)
+            if not any(_matches(f, wanted) for f in functions):
+                continue
+            part = next((p for f in reversed(functions) for p in _part_of(f, parts)), "other")
+            out[part] += n / self._rate
+        return dict(out)
+
+
+def _functions(stack: str) -> list[str]:
+    """The function names of a raw stack, outermost first (``name (file:line)`` frames)."""
+    return [frame.rpartition(" (")[0] for frame in stack.split(";")[1:]]
+
+
+def _matches(function: str, names: set[str]) -> bool:
+    return function in names or function.rpartition(".")[2] in names
+
+
+def _part_of(function: str, parts: dict[str, str]) -> list[str]:
+    part = parts.get(function)
+    return [part] if part is not None else []
 
 
 class GilSampler:

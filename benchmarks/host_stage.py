@@ -24,6 +24,8 @@ lookup and output dist). Per layout one JSON line:
   as a share of the core time, on a Python loop that holds the GIL throughout (1.0 when exact)
   and on one large sort that releases it (0.0). Where py-spy is missing or may not attach
   (``gil_sampler`` says why), the probe's figure stands in (``gil_measured_by``: ``"probe"``);
+- ``gil_ms_by_part``: the sampled GIL time split by part, each sample to the innermost part it is
+  in (exclusive, unlike ``parts_ms``; ``other``: in no part);
 - ``gil_probe_ms_per_step``: the same, read by a probe thread that spins in Python meanwhile:
   ``wall * (1 - probe rate during / probe rate alone)`` (at a 50 us switch interval, so that the
   probe delays the host stage little; ``gil_probe_reads`` is its reading of the known work; it
@@ -113,10 +115,12 @@ class Parts:
         self.on = False
         self.tracking = False
         self.stack: list[str] = []
+        self.functions: dict[str, str] = {}  # the function's name as a sampled stack shows it -> part
 
     def wrap(self, owner: Any, attr: str, name: str) -> None:
         """Time every call of ``owner.attr`` (a class's method or a module's function) as ``name``."""
         original = getattr(owner, attr)
+        self.functions[f"{owner.__name__}.{attr}" if isinstance(owner, type) else attr] = name
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not (self.on or self.tracking) or threading.current_thread() is not threading.main_thread():
@@ -390,17 +394,20 @@ def _measure_hash(
             c0 += probe.count - probe_pause  # the compute's share of the probe does not count
         counted = probe.count - c0
     gil = max(0.0, wall - counted / probe_rate)
-    gil_sampled = None
+    gil_sampled, gil_parts = None, {}
     if sampler is not None:  # the host stage's stacks while they hold the GIL, from outside
         with sampler.sampling() as samples:
             for batch in sampled:
                 ctx, mapped = _host_stage(module, batch.sparse_features)
                 _compute(module, ctx, mapped, device)
         gil_sampled = 1e3 * samples.held_s(*HOST_STAGE_FRAMES) / len(sampled)
+        by_part = samples.held_s_by(PARTS.functions, HOST_STAGE_FRAMES)
+        gil_parts = {part: 1e3 * s / len(sampled) for part, s in by_part.items()}
     out = {
         "host_ms_per_step": 1e3 * host / steps,
         "gil_ms_per_step": gil_sampled if gil_sampled is not None else 1e3 * gil / steps,
         "gil_probe_ms_per_step": 1e3 * gil / steps,
+        "gil_parts_ms": gil_parts,
         "host_stage_wall_ms_per_step": 1e3 * wall / steps,
         "device_ms_per_step": 1e3 * device_s / steps,
         "parts_ms": {k: round(1e3 * v / steps, 2) for k, v in sorted(parts.items())},
@@ -551,6 +558,10 @@ def _run(args: argparse.Namespace) -> None:
             "gil_sampler": sampler_why,
             "gil_sampler_reads": sampler_calibration,
             "gil_probe_ms_per_step": round(statistics.median(r["gil_probe_ms_per_step"] for r in rounds), 2),
+            "gil_ms_by_part": {
+                k: round(statistics.median(r["gil_parts_ms"].get(k, 0.0) for r in rounds), 2)
+                for k in sorted({k for r in rounds for k in r["gil_parts_ms"]})
+            },
             "host_stage_wall_ms_per_step": round(
                 statistics.median(r["host_stage_wall_ms_per_step"] for r in rounds), 2
             ),
