@@ -48,11 +48,15 @@ class Samples:
 
     def __init__(self, lines: list[str], rate_hz: int) -> None:
         self._stacks: list[tuple[str, int]] = []
+        self._rate = rate_hz
+        self.add(lines)
+
+    def add(self, lines: list[str]) -> None:
+        """Take in raw lines (py-spy's file, read once it has stopped)."""
         for line in lines:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if stack and count.isdigit():
                 self._stacks.append((stack, int(count)))
-        self._rate = rate_hz
 
     def held_s(self, *functions: str) -> float:
         """Seconds the GIL was held by stacks that pass through one of ``functions``, each stack
@@ -144,7 +148,7 @@ class GilSampler:
                 proc.wait(timeout=60)
                 reader.join(timeout=5)
             if out.exists():
-                samples.__init__(out.read_text().splitlines(), self.rate_hz)  # type: ignore[misc]
+                samples.add(out.read_text().splitlines())
 
 
 def sampler_or_why() -> tuple[GilSampler | None, str]:

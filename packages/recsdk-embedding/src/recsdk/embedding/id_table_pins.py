@@ -67,11 +67,6 @@ class IdTablePins:
         """The reference counts (int32 ``[capacity]``), or None while no row holds a reference."""
         return self._pins if self._references else None
 
-    @property
-    def counts(self) -> torch.Tensor:
-        """int32 ``[capacity]``: the pins of each row, to read."""
-        return self._pins
-
     def tensors(self) -> list[torch.Tensor]:
         """The tensors held (for memory accounting)."""
         return [self._pins_buf]
