@@ -285,7 +285,7 @@ def remap_ids(per_rank: list[list[Batch]], features: Sequence[str] | Mapping[str
 
 def fill_hash_tables(dmp: nn.Module, ids_per_table: int, rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """Store this rank's share of ``ids_per_table`` random raw ids in each hash table of a sharded
-    model (``IdTable.insert_at``), with random rows; returns this rank's ids per table."""
+    model (``IdTableState.insert_at``), with random rows; returns this rank's ids per table."""
     from recsdk.sharding import owner, sharded_hash_modules
 
     (module,) = sharded_hash_modules(dmp).values()
@@ -295,7 +295,7 @@ def fill_hash_tables(dmp: nn.Module, ids_per_table: int, rank: int, world_size: 
     for name, table in module.id_tables.items():
         ids = torch.randint(-(2**62), 2**62, (3 * ids_per_table,), generator=gen).unique()
         ids = ids[owner(ids, world_size) == rank][: ids_per_table // world_size]
-        table.insert_at(ids, torch.arange(ids.numel()))
+        table.state.insert_at(ids, torch.arange(ids.numel()))
         with torch.no_grad():
             views[name].weight[: ids.numel()].copy_(torch.rand(ids.numel(), views[name].weight.shape[1], generator=gen))
         stored[name] = ids

@@ -138,7 +138,7 @@ def _fill(model: nn.Module, fill: float, rank: int, world_size: int) -> None:
         want = int(fill * table.capacity)
         ids = torch.randint(-(2**62), 2**62, (3 * want * world_size,), generator=gen)
         ids = ids[owner(ids, world_size) == rank].unique()[:want]
-        table.insert_at(ids, torch.arange(ids.numel()))
+        table.state.insert_at(ids, torch.arange(ids.numel()))
         _, states = sebc.table_views()[name]
         for s in states:
             s.copy_(torch.rand(s.shape, generator=gen))

@@ -30,14 +30,14 @@ def ids(*values: int) -> torch.Tensor:
 
 def publish(table: IdTable, *, full: bool = False, exclude: torch.Tensor | None = None, token: str = "t"):
     """Snapshot and commit at once (a publish that succeeded); returns (ids, deleted) as lists."""
-    snap = table.snapshot_changes(full=full, exclude=exclude)
-    table.commit_changes(snap, token)
+    snap = table.publishing.snapshot(full=full, exclude=exclude)
+    table.publishing.commit(snap, token)
     return sorted(snap.ids.tolist()), sorted(snap.deleted.tolist())
 
 
 def test_a_delta_holds_the_rows_changed_and_the_ids_evicted_since_the_last_version() -> None:
     table = IdTable(3, eviction=LRUEviction())
-    changes = table.track_changes()
+    changes = table.publishing.track()
     table.find_or_insert(ids(10, 11, 12))
     assert publish(table, full=True) == ([10, 11, 12], [])
     assert publish(table) == ([], [])  # nothing changed
@@ -50,7 +50,7 @@ def test_a_delta_holds_the_rows_changed_and_the_ids_evicted_since_the_last_versi
 
 def test_an_id_evicted_and_back_before_the_next_version_is_an_upsert_not_a_deletion() -> None:
     table = IdTable(2, eviction=LRUEviction())
-    table.track_changes()
+    table.publishing.track()
     table.find_or_insert(ids(1, 2))
     publish(table, full=True)
     table.find_or_insert(ids(3))  # evicts 1
@@ -60,7 +60,7 @@ def test_an_id_evicted_and_back_before_the_next_version_is_an_upsert_not_a_delet
 
 def test_an_id_inserted_and_evicted_between_versions_is_never_published() -> None:
     table = IdTable(2, eviction=TTLEviction(max_idle_steps=1))
-    table.track_changes()
+    table.publishing.track()
     table.find_or_insert(ids(1))
     publish(table, full=True)
     table.find_or_insert(ids(2))
@@ -71,7 +71,7 @@ def test_an_id_inserted_and_evicted_between_versions_is_never_published() -> Non
 
 def test_rows_owed_a_reset_are_left_out_and_published_once_reset() -> None:
     table = IdTable(2, eviction=LRUEviction())
-    changes = table.track_changes()
+    changes = table.publishing.track()
     table.find_or_insert(ids(1, 2))
     publish(table, full=True)
     table.find_or_insert(ids(3))  # evicts 1; 3's row still holds 1's values until reset
@@ -83,31 +83,31 @@ def test_rows_owed_a_reset_are_left_out_and_published_once_reset() -> None:
 
 def test_a_failed_publish_loses_nothing_and_changes_made_while_writing_are_kept() -> None:
     table = IdTable(4, eviction=LRUEviction())
-    table.track_changes()
+    table.publishing.track()
     table.find_or_insert(ids(1, 2))
     publish(table, full=True)
     table.find_or_insert(ids(3))
-    table.snapshot_changes(full=False)  # the write failed: no commit
-    snap = table.snapshot_changes(full=False)
+    table.publishing.snapshot(full=False)  # the write failed: no commit
+    snap = table.publishing.snapshot(full=False)
     assert sorted(snap.ids.tolist()) == [3]
     table.find_or_insert(ids(4))  # while the version is written (a pipeline's host thread)
-    table.commit_changes(snap, "v")
+    table.publishing.commit(snap, "v")
     assert publish(table) == ([4], [])
 
 
 def test_a_published_id_that_changes_hands_while_its_version_is_written_is_deleted_next() -> None:
     table = IdTable(1, eviction=LRUEviction())
-    table.track_changes()
+    table.publishing.track()
     table.find_or_insert(ids(1))
-    snap = table.snapshot_changes(full=True)
+    snap = table.publishing.snapshot(full=True)
     table.find_or_insert(ids(2))  # evicts 1 before the version holding it is committed
-    table.commit_changes(snap, "v")
+    table.publishing.commit(snap, "v")
     assert publish(table) == ([2], [1])
 
 
 def test_a_state_load_resets_the_tracker_so_the_next_version_is_full() -> None:
     table = IdTable(4)
-    changes = table.track_changes()
+    changes = table.publishing.track()
     table.find_or_insert(ids(1, 2))
     publish(table, full=True, token="a")
     assert changes.token == "a"

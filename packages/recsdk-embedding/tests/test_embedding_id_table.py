@@ -266,17 +266,17 @@ def test_rebuild_from_ids_and_rows_with_remove_and_insert_at() -> None:
     assert torch.equal(removed, rows[moving])
     assert src.find(ids).ge(0).tolist() == (~moving).tolist()
     dst = IdTable(10, eviction=LRUEviction(), name="dst")
-    dst.insert_at(ids[moving], rows[moving])
+    dst.state.insert_at(ids[moving], rows[moving])
     assert torch.equal(dst.find(ids[moving]), rows[moving])
     assert dst.take_reassigned_rows().numel() == 0
     new = dst.find_or_insert(torch.tensor([500, 600]))
     assert not bool(torch.isin(new, rows[moving]).any())  # rows given by insert_at are taken
     with pytest.raises(ValueError, match="already in the table"):
-        dst.insert_at(torch.tensor([200]), torch.tensor([9]))
+        dst.state.insert_at(torch.tensor([200]), torch.tensor([9]))
     with pytest.raises(ValueError, match="already holds"):
-        dst.insert_at(torch.tensor([7]), new[:1])
+        dst.state.insert_at(torch.tensor([7]), new[:1])
     with pytest.raises(ValueError, match="distinct"):
-        dst.insert_at(torch.tensor([7, 7]), torch.tensor([8, 9]))
+        dst.state.insert_at(torch.tensor([7, 7]), torch.tensor([8, 9]))
     assert len(dst) == 4
 
 
@@ -287,7 +287,7 @@ def test_rebuild_places_ids_in_order_and_reinitialises_the_other_rows() -> None:
     table.find_or_insert(torch.tensor([1, 2, 3]))  # admitted: stats and reassigned state to reset
     counters = torch.arange(16, dtype=torch.int32)
     ids = torch.tensor([INT64_MAX, -5, 40])
-    table.rebuild(
+    table.state.rebuild(
         ids, last_step=torch.tensor([7, 2, 9]), freq=torch.tensor([3, 1, 4]), step=9, admission_counters=counters
     )
     assert table.find(ids).tolist() == [0, 1, 2] and table.find(torch.tensor([1, 2, 3])).tolist() == [-1] * 3
@@ -298,7 +298,7 @@ def test_rebuild_places_ids_in_order_and_reinitialises_the_other_rows() -> None:
     assert sd["stats"].tolist() == [0] * 5 and sd["reassigned_rows"].numel() == 0
     assert sd["retired_rows"].tolist() == [3, 4, 5]
     # The free rows go out in ascending order, each reported for re-initialisation.
-    table.rebuild(ids, last_step=torch.tensor([7, 2, 9]), freq=torch.ones(3, dtype=torch.int64), step=9)
+    table.state.rebuild(ids, last_step=torch.tensor([7, 2, 9]), freq=torch.ones(3, dtype=torch.int64), step=9)
     assert int(table.state_dict()["admission_counters"].sum()) == 0  # None: a fresh sketch
     new = table.find_or_insert(torch.tensor([11, 11, 12, 12]))  # seen once: not admitted yet
     assert new.tolist() == [-1] * 4
@@ -312,20 +312,20 @@ def test_rebuild_rejects_bad_input_and_keeps_the_table() -> None:
     before = table.state_dict()
     one = torch.ones(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="4 ids do not fit the table's capacity 3"):
-        table.rebuild(torch.arange(4), last_step=torch.zeros(4), freq=torch.ones(4), step=0)
+        table.state.rebuild(torch.arange(4), last_step=torch.zeros(4), freq=torch.ones(4), step=0)
     with pytest.raises(ValueError, match="distinct"):
-        table.rebuild(torch.tensor([1, 1]), last_step=one.repeat(2), freq=one.repeat(2), step=1)
+        table.state.rebuild(torch.tensor([1, 1]), last_step=one.repeat(2), freq=one.repeat(2), step=1)
     with pytest.raises(ValueError, match="last_step must be 2 integers"):
-        table.rebuild(torch.tensor([1, 2]), last_step=one, freq=one.repeat(2), step=1)
+        table.state.rebuild(torch.tensor([1, 2]), last_step=one, freq=one.repeat(2), step=1)
     with pytest.raises(ValueError, match=r"freq must be in \[0, "):
-        table.rebuild(torch.tensor([1]), last_step=one, freq=-one, step=1)
+        table.state.rebuild(torch.tensor([1]), last_step=one, freq=-one, step=1)
     with pytest.raises(ValueError, match="step must be"):
-        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=-1)
+        table.state.rebuild(torch.tensor([1]), last_step=one, freq=one, step=-1)
     with pytest.raises(ValueError, match="2 admission counters given"):
-        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1, admission_counters=torch.zeros(2))
+        table.state.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1, admission_counters=torch.zeros(2))
     table.pin(torch.tensor([0]))
     with pytest.raises(RuntimeError, match="pinned"):
-        table.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1)
+        table.state.rebuild(torch.tensor([1]), last_step=one, freq=one, step=1)
     after = table.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -437,14 +437,14 @@ def test_rows_go_out_in_order_freed_rows_first() -> None:
     assert loaded.take_reassigned_rows().tolist() == [5, 6]
     # insert_at takes its rows out of the order, the others keep theirs.
     placed = IdTable(8)
-    placed.insert_at(torch.tensor([50, 51]), torch.tensor([5, 2]))
+    placed.state.insert_at(torch.tensor([50, 51]), torch.tensor([5, 2]))
     assert placed.state_dict()["free_rows"].tolist() == [7, 6, 4, 3, 1, 0]
     assert placed.find_or_insert(torch.tensor([60, 61, 62, 63, 64, 65])).tolist() == [0, 1, 3, 4, 6, 7]
     # After rebuild every other row is reported when it goes out, rows above an insert_at too.
     rebuilt = IdTable(8)
     one = torch.ones(2, dtype=torch.int64)
-    rebuilt.rebuild(torch.tensor([70, 71]), last_step=0 * one, freq=one, step=0)
-    rebuilt.insert_at(torch.tensor([72]), torch.tensor([5]))
+    rebuilt.state.rebuild(torch.tensor([70, 71]), last_step=0 * one, freq=one, step=0)
+    rebuilt.state.insert_at(torch.tensor([72]), torch.tensor([5]))
     assert rebuilt.state_dict()["retired_rows"].tolist() == [2, 3, 4, 6, 7]
     assert rebuilt.find_or_insert(torch.tensor([80, 81, 82, 83, 84])).tolist() == [2, 3, 4, 6, 7]
     assert rebuilt.take_reassigned_rows().tolist() == [2, 3, 4, 6, 7]

@@ -30,7 +30,7 @@ def _run(policy, seed: int, pin: bool, admission: bool) -> tuple[list[torch.Tens
             held.clear()
             stored_ids, stored_rows = table.ids_and_rows()
             table.remove(stored_ids[:30])
-            table.insert_at(
+            table.state.insert_at(
                 torch.arange(10**9, 10**9 + 30), stored_rows[:30], last_step=torch.zeros(30, dtype=torch.int64)
             )
     ids, rows = table.ids_and_rows()
@@ -74,7 +74,7 @@ def test_rows_placed_with_old_last_steps_go_first() -> None:
     old_ids = torch.tensor([-5, -6])
     _, rows = table.ids_and_rows()
     table.remove(table.ids_and_rows()[0][:2])
-    table.insert_at(old_ids, rows[:2], last_step=torch.zeros(2, dtype=torch.int64))
+    table.state.insert_at(old_ids, rows[:2], last_step=torch.zeros(2, dtype=torch.int64))
     table.find_or_insert(torch.tensor([10**6]))  # one new id: one victim
     assert bool((table.find(old_ids) == -1).any())
 

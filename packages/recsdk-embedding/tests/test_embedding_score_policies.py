@@ -227,7 +227,7 @@ def test_state_round_trip_and_rebuild_keep_scores_and_decisions() -> None:
     b.load_state_dict(saved)
     ids, _ = a.ids_and_rows()
     c = make()
-    c.rebuild(
+    c.state.rebuild(
         ids,
         last_step=saved["last_step"],
         freq=saved["freq"],

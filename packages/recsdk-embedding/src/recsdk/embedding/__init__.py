@@ -11,6 +11,8 @@ from recsdk.embedding.hash_embedding_bag import HashEmbeddingBagCollection
 from recsdk.embedding.hash_tables import OptimizerAttachment
 from recsdk.embedding.hashing import fmix64
 from recsdk.embedding.id_table import IdTable, TableFullError
+from recsdk.embedding.id_table_publishing import IdTablePublishing
+from recsdk.embedding.id_table_state import IdTableState
 from recsdk.embedding.input_checks import check_features
 from recsdk.embedding.policies import (
     AdmissionPolicy,
@@ -38,6 +40,8 @@ __all__ = [
     "HashEmbeddingCollection",
     "HashEmbeddingConfig",
     "IdTable",
+    "IdTablePublishing",
+    "IdTableState",
     "LFUEviction",
     "LRUEviction",
     "OptimizerAttachment",

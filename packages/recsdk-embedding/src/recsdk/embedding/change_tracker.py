@@ -25,17 +25,17 @@ it. The tracker is the bookkeeping that makes a delta exact; its duties:
 The tracker is written by its :class:`~recsdk.embedding.IdTable` (placements and frees, under the
 table's caller's lock) and by the training step (:meth:`changed`: the rows a batch trained); a
 publisher reads it through the table, which knows the ids of the rows
-(:meth:`IdTable.snapshot_changes`), and commits through it once the version is published
-(:meth:`IdTable.commit_changes`). The tracker knows rows and ids only as it is told them: it
+(:meth:`IdTablePublishing.snapshot`), and commits through it once the version is published
+(:meth:`IdTablePublishing.commit`). The tracker knows rows and ids only as it is told them: it
 never reads the table. Memory: 5 bytes per row (int32 stamps, bool flags), in lazily zeroed
 pages on CPU.
 
 Example::
 
-    table.track_changes()
-    snap = table.snapshot_changes(full=False, exclude=owed_rows)
+    table.publishing.track()
+    snap = table.publishing.snapshot(full=False, exclude=owed_rows)
     ...  # write snap.ids with their rows, and snap.deleted
-    table.commit_changes(snap, token="9f3a...")
+    table.publishing.commit(snap, token="9f3a...")
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@
 * :class:`~recsdk.embedding.id_table_admission.IdTableAdmission`: the count sketch;
 * :class:`~recsdk.embedding.id_table_scores.IdTableScores`: show/click scores;
 * :class:`~recsdk.embedding.id_table_publishing.IdTablePublishing`: the change tracker, a
-  version's snapshot and commit (the work of the publishing methods);
+  version's snapshot and commit; public as :attr:`IdTable.publishing`;
 * :class:`~recsdk.embedding.id_table_state.IdTableState`: the state format and the replacing of
-  the table's contents (the work of the restore family: ``state_dict``, ``load_state_dict``,
-  ``check_state_dict``, ``rebuild``, ``insert_at``);
+  the table's contents (the work of ``state_dict``, ``load_state_dict``, ``check_state_dict``);
+  public as :attr:`IdTable.state` for ``rebuild`` and ``insert_at``;
 * :class:`~recsdk.embedding.id_table_step.IdTableSteps`: the step clock, the statistics and
   :meth:`IdTable.find_or_insert`'s two halves (what a step does, worked out before anything
   changes; then its commit).
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from recsdk.embedding.change_tracker import ChangeSnapshot, RowChangeTracker
+from recsdk.embedding.change_tracker import RowChangeTracker
 from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction, TableFullError
 from recsdk.embedding.id_table_inputs import check_table, check_usable, checked_clicks, checked_ids, checked_rows
@@ -110,7 +110,7 @@ class IdTable:
             name, eviction, self._rows, self._pins, self._scores, capacity=capacity, device=dev
         )
         self._admission = IdTableAdmission(admission, self._scores, dev)
-        self._publishing = IdTablePublishing(self._rows, capacity, dev)
+        self._publishing = IdTablePublishing(name, self._rows, lambda ids: self._map.lookup(ids), capacity, dev)
         self._map = RowMap(self._rows, self._eviction, self._scores, self._publishing, capacity=capacity, device=dev)
         parts = (self._rows, self._map, self._admission, self._eviction, self._scores)
         self._steps = IdTableSteps(*parts, policy=eviction, capacity=capacity, device=dev)
@@ -172,8 +172,15 @@ class IdTable:
 
     @property
     def changes(self) -> RowChangeTracker | None:
-        """The tracker of changed rows and departed ids (None until :meth:`track_changes`)."""
+        """The tracker of changed rows and departed ids (None until ``publishing.track()``)."""
         return self._publishing.tracker
+
+    @property
+    def publishing(self) -> IdTablePublishing:
+        """The table's publishing part: :meth:`IdTablePublishing.track` its changes, then a version's
+        :meth:`IdTablePublishing.snapshot` and :meth:`IdTablePublishing.commit` (what
+        ``recsdk.sharding.Publisher`` calls, under the lock that serialises the table's callers)."""
+        return self._publishing
 
     def __len__(self) -> int:
         return self._rows.size
@@ -384,6 +391,13 @@ class IdTable:
 
     # ------------------------------------------------------------------ state (the work: IdTableState)
 
+    @property
+    def state(self) -> IdTableState:
+        """The table's state part: :meth:`IdTableState.rebuild` and :meth:`IdTableState.insert_at`
+        replace or add to its contents from ids gathered elsewhere (a checkpoint loaded on another
+        world size); the restore family below calls it."""
+        return self._state
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The table's full state as tensors (pins are runtime state and are not included).
 
@@ -420,107 +434,6 @@ class IdTable:
         """
         self._check_usable()
         self._state.checked(state_dict)
-
-    def rebuild(
-        self,
-        ids: torch.Tensor,
-        *,
-        last_step: torch.Tensor,
-        freq: torch.Tensor,
-        step: int,
-        admission_counters: torch.Tensor | None = None,
-        scores: torch.Tensor | None = None,
-        score_counters: torch.Tensor | None = None,
-        score_ref: int | None = None,
-    ) -> None:
-        """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order; on error
-        the table is left unchanged (:meth:`IdTableState.rebuild`: the free rows, clock, statistics).
-
-        Args:
-            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, ``n <= capacity``.
-            last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
-            freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
-            step (int): the step clock, ``>= 0``.
-            admission_counters (torch.Tensor | None): the count-min sketch (as in :meth:`state_dict`); None: zeros.
-            scores (torch.Tensor | None): int64 ``[n]`` stored show/click scores; None: zeros.
-            score_counters (torch.Tensor | None): the :class:`ScoreAdmission` sketch; None: zeros.
-            score_ref (int | None): the reference step of the scores (None: ``step``).
-
-        Raises:
-            ValueError: more ids than rows, repeated ids, metadata or counters of the wrong size or range.
-            RuntimeError: some rows of this table are pinned.
-        """
-        self._state.rebuild(
-            self._as_ids(ids, "rebuild")[0],
-            last_step=last_step,
-            freq=freq,
-            step=step,
-            admission_counters=admission_counters,
-            scores=scores,
-            score_counters=score_counters,
-            score_ref=score_ref,
-        )
-
-    def insert_at(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        *,
-        last_step: torch.Tensor | None = None,
-        freq: torch.Tensor | None = None,
-    ) -> None:
-        """Store given ``(id, row)`` pairs, bypassing admission; the rows are not reported by
-        :meth:`take_reassigned_rows` (:meth:`IdTableState.insert_at`).
-
-        Args:
-            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
-            rows (torch.Tensor): integer ``[n]`` distinct free rows in ``[0, capacity)``.
-            last_step (torch.Tensor | None): int ``[n]`` step each id was last used; defaults to the current step.
-            freq (torch.Tensor | None): int ``[n]`` LFU frequencies; defaults to 1.
-
-        Raises:
-            ValueError: on any of the conditions above (the table is left unchanged).
-        """
-        flat, _ = self._as_ids(ids, "insert_at")
-        flat_rows = self._as_rows(rows, "insert_at", allow_missing=False)
-        self._state.insert_at(flat, flat_rows, last_step=last_step, freq=freq)
-
-    # ------------------------------------------------------------------ publishing (the work: IdTablePublishing)
-
-    def track_changes(self) -> RowChangeTracker:
-        """Track which rows change and which ids leave from now on, for versions published to
-        serving; idempotent (:meth:`IdTablePublishing.track`: who stamps which rows).
-
-        Returns:
-            RowChangeTracker: the table's tracker (reset when the table's state is replaced).
-        """
-        self._check_usable()
-        return self._publishing.track()
-
-    def snapshot_changes(self, *, full: bool, exclude: torch.Tensor | None = None) -> ChangeSnapshot:
-        """What the table's next published version holds; changes nothing but the tracker's epoch.
-        Call under the lock that serialises the table's callers (:meth:`IdTablePublishing.snapshot`).
-
-        Args:
-            full (bool): every id (a full version), or only the changes since the last commit.
-            exclude (torch.Tensor | None): rows owed a reset: their ids are left out (and stay changed).
-
-        Returns:
-            ChangeSnapshot: ids and rows ascending by row, the deleted ids ascending.
-        """
-        self._check_usable()
-        return self._publishing.snapshot(full=full, exclude=exclude, find=self._map.lookup)
-
-    def commit_changes(self, snap: ChangeSnapshot, token: str) -> None:
-        """The version holding ``snap`` (from :meth:`snapshot_changes`) is published as ``token``; call
-        under the same lock (:meth:`IdTablePublishing.commit`: which ids count as departed).
-
-        Args:
-            snap (ChangeSnapshot): the version's snapshot.
-            token (str): the published version's token.
-        """
-        self._check_usable()
-        self._publishing.commit(snap, token)
 
     def index_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The hash index as FBGEMM's ``pruned_hashmap_lookup`` reads it, for a lookup outside Python

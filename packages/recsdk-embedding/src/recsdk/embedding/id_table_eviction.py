@@ -125,7 +125,7 @@ class IdTableEviction:
         self._freq[rows] = freq.to(torch.int32)
 
     def given(self, rows: torch.Tensor, last_step: torch.Tensor | None, freq: torch.Tensor | None) -> None:
-        """Rows just placed with given int32 metadata (:meth:`IdTable.insert_at`; None: as placed)."""
+        """Rows just placed with given int32 metadata (:meth:`IdTableState.insert_at`; None: as placed)."""
         self._idle_floor = 0
         if last_step is not None:
             self._last_step[rows] = last_step

@@ -1,12 +1,13 @@
 """``IdTableState``: the state format of an :class:`~recsdk.embedding.IdTable`, in one place.
 
-The work of the table's restore family (:meth:`IdTable.state_dict`, :meth:`IdTable.load_state_dict`,
-:meth:`IdTable.check_state_dict`, :meth:`IdTable.rebuild`, :meth:`IdTable.insert_at`): what a
-table's state is as tensors (assembled from what each of the table's parts gives of itself), how a
-state and the arguments of ``rebuild`` and ``insert_at`` are checked (read only: a refused call
-changes nothing), and how a checked state replaces the table's contents (every part reset, then
-loaded). A part of ``IdTable``: it calls the other parts' public methods; the table checks that it
-is usable and converts the ids and rows it is given.
+A public part of ``IdTable`` (:attr:`IdTable.state`): the work of the table's
+:meth:`IdTable.state_dict`, :meth:`IdTable.load_state_dict` and :meth:`IdTable.check_state_dict`,
+and the replacing of its contents from ids gathered elsewhere (:meth:`IdTableState.rebuild`,
+:meth:`IdTableState.insert_at`, what checkpoint loading calls): what a table's state is as tensors
+(assembled from what each of the table's parts gives of itself), how a state and the arguments of
+``rebuild`` and ``insert_at`` are checked (read only: a refused call changes nothing), and how a
+checked state replaces the table's contents (every part reset, then loaded). It calls the other
+parts' public methods.
 
 The keys (:data:`STATE_KEYS`):
 
@@ -32,6 +33,7 @@ import torch
 
 from recsdk.embedding.id_table_admission import IdTableAdmission
 from recsdk.embedding.id_table_eviction import IdTableEviction
+from recsdk.embedding.id_table_inputs import check_usable, checked_ids, checked_rows
 from recsdk.embedding.id_table_pins import IdTablePins
 from recsdk.embedding.id_table_publishing import IdTablePublishing
 from recsdk.embedding.id_table_scores import IdTableScores
@@ -82,9 +84,10 @@ class IdTableState:
 
     Example::
 
-        sd = state.state_dict()
-        state.checked(sd)  # raises ValueError, changes nothing
-        state.load_state_dict(sd)
+        sd = table.state_dict()  # IdTable's restore family calls this part
+        table.check_state_dict(sd)  # raises ValueError, changes nothing
+        table.load_state_dict(sd)
+        table.state.insert_at(torch.tensor([42]), torch.tensor([3]))  # store a given (id, row)
     """
 
     def __init__(
@@ -162,10 +165,10 @@ class IdTableState:
         last_step: torch.Tensor,
         freq: torch.Tensor,
         step: int,
-        admission_counters: torch.Tensor | None,
-        scores: torch.Tensor | None,
-        score_counters: torch.Tensor | None,
-        score_ref: int | None,
+        admission_counters: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None,
+        score_counters: torch.Tensor | None = None,
+        score_ref: int | None = None,
     ) -> None:
         """Replace the table's contents by ``ids`` at rows ``0..n-1``, in the given order.
 
@@ -178,7 +181,7 @@ class IdTableState:
         zero. On error the table is left unchanged.
 
         Args:
-            ids (torch.Tensor): int64 ``[n]`` distinct ids, ``n <= capacity``.
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, ``n <= capacity``.
             last_step (torch.Tensor): integer ``[n]`` step each id was last used, in ``[0, 2**31 - 1]``.
             freq (torch.Tensor): integer ``[n]`` LFU frequencies, in ``[0, 2**31 - 1]``.
             step (int): the step clock, ``>= 0``.
@@ -198,11 +201,13 @@ class IdTableState:
         Example::
 
             table = IdTable(8, eviction=LRUEviction())
-            table.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
+            table.state.rebuild(torch.tensor([42, 7]), last_step=torch.tensor([3, 5]), freq=torch.ones(2), step=5)
             table.find(torch.tensor([7, 42]))  # tensor([1, 0])
         """
-        n, cap = ids.numel(), self._capacity
         where = f"IdTable '{self._name}'.rebuild"
+        check_usable(self._name, self._device)
+        ids = checked_ids(ids, where, self._device)[0]
+        n, cap = ids.numel(), self._capacity
         if n > cap:
             raise ValueError(f"{where}: {n} ids do not fit the table's capacity {cap}")
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= INT32_MAX:
@@ -252,21 +257,30 @@ class IdTableState:
         self._replace(sd)
 
     def insert_at(
-        self, ids: torch.Tensor, rows: torch.Tensor, *, last_step: torch.Tensor | None, freq: torch.Tensor | None
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        last_step: torch.Tensor | None = None,
+        freq: torch.Tensor | None = None,
     ) -> None:
         """Store given ``(id, row)`` pairs at the current step, bypassing admission; the rows are
         not reported by :meth:`IdTable.take_reassigned_rows` (the caller provides their embedding
         values). Checked first: on error the table is left unchanged.
 
         Args:
-            ids (torch.Tensor): int64 ``[n]`` distinct ids, none already in the table.
-            rows (torch.Tensor): int64 ``[n]`` distinct free rows in ``[0, capacity)``.
+            ids (torch.Tensor): int64/int32 ``[n]`` distinct ids, none already in the table.
+            rows (torch.Tensor): integer ``[n]`` distinct free rows in ``[0, capacity)``.
             last_step (torch.Tensor | None): int ``[n]`` step each id was last used; None: the current step.
             freq (torch.Tensor | None): int ``[n]`` LFU frequencies; None: 1.
 
         Raises:
             ValueError: on any of the conditions above.
         """
+        where = f"IdTable '{self._name}'.insert_at"
+        check_usable(self._name, self._device)
+        ids = checked_ids(ids, where, self._device)[0]
+        rows = checked_rows(rows, where, self._capacity, self._device, allow_missing=False)
         meta = self._checked_insert_at(ids, rows, last_step=last_step, freq=freq)
         if ids.numel():
             self._rows.claim(rows)

@@ -127,7 +127,7 @@ class IdTableSteps:
         self._step, self._stats = step, dict(stats)
 
     def count_inserts(self, n: int) -> None:
-        """``n`` ids were given rows outside a step (:meth:`IdTable.insert_at`)."""
+        """``n`` ids were given rows outside a step (:meth:`IdTableState.insert_at`)."""
         self._stats["inserts"] += n
 
     def free_evicted(self, rows: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ Every row of a table is in one of three states, kept in an int8 array beside the
 every int64 value is a valid id, none reserved for "empty"):
 
 * :data:`NEVER_USED`: never handed out (or handed out with values the caller provides, by
-  :meth:`IdTable.insert_at`), so a new id given it needs no reset;
+  :meth:`IdTableState.insert_at`), so a new id given it needs no reset;
 * :data:`OCCUPIED`: holds an id;
 * :data:`RETIRED`: free again, but its embedding row holds a former id's values (a new id given
   it is reported by :meth:`IdTable.take_reassigned_rows`).

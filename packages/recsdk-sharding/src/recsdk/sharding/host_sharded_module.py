@@ -99,7 +99,7 @@ class HostShardedModule:
         """Start tracking every local table's changed rows and departed ids (for publishing)."""
         with self._shards.stage.lock:
             for table in self.id_tables.values():
-                table.track_changes()
+                table.publishing.track()
 
     def change_snapshots(self, *, full: bool) -> dict[str, ChangeSnapshot]:
         """Per local table, what the next published version holds (see
@@ -109,7 +109,7 @@ class HostShardedModule:
         with self._shards.stage.lock:
             owed = self._shards.ledger.owed_resets()
             return {
-                name: table.snapshot_changes(full=full, exclude=owed.get(name))
+                name: table.publishing.snapshot(full=full, exclude=owed.get(name))
                 for name, table in self.id_tables.items()
             }
 
@@ -118,7 +118,7 @@ class HostShardedModule:
         with self._shards.stage.lock:
             for name, snap in snapshots.items():
                 table = self.id_tables[name]
-                table.commit_changes(snap, token)
+                table.publishing.commit(snap, token)
 
     def staging_views(self, table: str) -> TableViews:
         """New tensors shaped as ``table_views()[table]``, for a checkpoint load to read into

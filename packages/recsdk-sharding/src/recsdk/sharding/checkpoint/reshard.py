@@ -8,7 +8,7 @@ shard's reference step to the newest shard's, ``round(score * decay**steps)``: a
 shards agree, as they do when every rank mapped every batch); admission sketches (count and
 score, the latter rebased the same way) and per-shard optimizer counters are merged by
 element-wise max. Nothing in the model changes until
-:func:`commit_resharded`, which rebuilds each shard with :meth:`~recsdk.embedding.IdTable.rebuild`
+:func:`commit_resharded`, which rebuilds each shard with :meth:`~recsdk.embedding.IdTableState.rebuild`
 (rows ``0..n-1`` in id order).
 """
 
@@ -251,7 +251,7 @@ def commit_resharded(t: TableLoad) -> None:
     """
     assert t.ids is not None and t.meta is not None and t.weight_rows is not None
     n = t.ids.numel()
-    t.module.id_tables[t.name].rebuild(
+    t.module.id_tables[t.name].state.rebuild(
         t.ids,
         last_step=t.meta[:, 0],
         freq=t.meta[:, 1],
