@@ -11,6 +11,7 @@ def test_wheel_holds_only_recsdk_embedding(tmp_path: Path) -> None:
     assert "recsdk/__init__.py" not in names, "recsdk is a PEP 420 namespace: no recsdk/__init__.py"
     assert "recsdk/embedding/__init__.py" in payload
     assert "recsdk/embedding/py.typed" in payload
+    assert "recsdk/embedding/slot_kernels.c" in payload  # compiled on first use
     outside = [n for n in payload if not n.startswith("recsdk/embedding/")]
     assert outside == [], f"files outside recsdk/embedding/: {outside}"
 

@@ -2,9 +2,11 @@
 
 Two implementations with one interface, chosen by the table's device:
 
-* :class:`FbgemmSlotIndex` (CPU): FBGEMM's pruned-hashmap kernels (``pruned_hashmap_lookup`` /
-  ``pruned_hashmap_insert``), a native linear-probing table of ``(key, row)`` int64 pairs. One
-  kernel call maps a whole batch, so small batches cost microseconds instead of the dozens of
+* :class:`FbgemmSlotIndex` (CPU): FBGEMM's pruned-hashmap layout, a native linear-probing table
+  of ``(key, row)`` int64 pairs, run by recsdk's kernels (:mod:`~recsdk.embedding.slot_kernels`:
+  lookup, insert, and a remove that shifts the probe run back instead of leaving a tombstone)
+  where they are built, else by FBGEMM's (``pruned_hashmap_lookup`` / ``pruned_hashmap_insert``).
+  One kernel call maps a whole batch, so small batches cost microseconds instead of the dozens of
   tensor ops a probing round takes in Python.
 * :class:`TorchSlotIndex` (any device): double hashing in torch tensor ops, in rounds over the
   whole batch; a slot holds only a row (4 bytes) and the key is read from the table's ``row_id``.
@@ -24,6 +26,7 @@ import math
 import torch
 
 from recsdk.embedding.hashing import fmix64
+from recsdk.embedding.slot_kernels import SlotKernels, native_slot_kernels
 
 __all__ = ["FbgemmSlotIndex", "TorchSlotIndex", "fbgemm_index_available", "index_bytes", "make_slot_index"]
 
@@ -197,15 +200,20 @@ class TorchSlotIndex(_GrowingSlots):
 class FbgemmSlotIndex(_GrowingSlots):
     """FBGEMM's CPU pruned hashmap: ``num_slots`` ``(key, row)`` int64 pairs, linear probing.
 
-    The kernels reserve key ``-1`` for empty slots, so the id ``-1`` is kept aside in a Python
-    attribute. A removed id keeps its key with row ``-2`` (read as absent); such dead slots are
-    counted as tombstones until the table rehashes, and re-inserting the same id reuses its slot.
+    The layout reserves key ``-1`` for empty slots, so the id ``-1`` is kept aside in a Python
+    attribute. With recsdk's kernels (``kernels``), a removed id's slot is emptied by shifting the
+    rest of its probe run back, so no tombstone is left. With FBGEMM's alone, which cannot remove,
+    a removed id keeps its key with row ``-2`` (read as absent); such dead slots are counted as
+    tombstones until the table rehashes, and re-inserting the same id reuses its slot. Either way
+    FBGEMM's ``pruned_hashmap_lookup`` reads the slots (:meth:`kernel_state`).
 
     The slots start at those of a table of ``min(capacity, 65536)`` rows and :meth:`clear` grows
     them (doubling) up to ``slots_for(capacity)``.
 
     Args:
         capacity (int): rows of the table.
+        kernels (SlotKernels | None): recsdk's kernels (:func:`~recsdk.embedding.slot_kernels.native_slot_kernels`),
+            or None for FBGEMM's.
     """
 
     # Dead slots are reused only by their own id, so under churn they pile up until a rehash: a
@@ -218,9 +226,10 @@ class FbgemmSlotIndex(_GrowingSlots):
         """Slots of the full-size index of a table of ``capacity`` rows (at least one stays empty)."""
         return max(2, math.ceil(capacity * _FBGEMM_SLOTS_PER_ROW))
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, kernels: SlotKernels | None = None) -> None:
         self.max_slots = self.slots_for(capacity)
         self.tombstones = 0
+        self._kernels = kernels
         self._allocate(self.slots_for(min(capacity, _INITIAL_ROWS)))
         self._minus_one_row = -1  # row of the id -1, which the kernels cannot store
 
@@ -247,9 +256,12 @@ class FbgemmSlotIndex(_GrowingSlots):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (int64 ``[n]``), ``-1`` where absent. Reads only."""
-        offsets = _one_bag(ids.numel())
-        rows = torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, self._table, self._table_offsets)
-        rows.clamp_(min=-1)  # dead slots read -2
+        if self._kernels is not None:
+            rows = self._kernels.lookup(self._table, ids.contiguous())[0]
+        else:
+            offsets = _one_bag(ids.numel())
+            rows = torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, self._table, self._table_offsets)
+            rows.clamp_(min=-1)  # dead slots read -2
         if self._minus_one_row >= 0:  # an absent -1 already reads -1
             rows.masked_fill_(ids == -1, self._minus_one_row)
         return rows
@@ -260,8 +272,12 @@ class FbgemmSlotIndex(_GrowingSlots):
         self._write(ids, rows)
 
     def remove(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Remove stored ``ids`` (held at ``rows``); their slots stay dead until a rehash."""
+        """Remove stored ``ids`` (held at ``rows``): shifting their probe runs back with recsdk's
+        kernels, else leaving their slots dead until a rehash."""
         ids, dead = self._set_aside(ids, torch.full_like(rows, _DEAD_ROW), torch.full_like(rows, -1))
+        if self._kernels is not None:
+            self._kernels.remove(self._table, ids.contiguous())
+            return
         self._write(ids, dead)
         self.tombstones += ids.numel()
 
@@ -286,6 +302,9 @@ class FbgemmSlotIndex(_GrowingSlots):
     def _write(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         if ids.numel() == 0:
             return
+        if self._kernels is not None:
+            self._kernels.insert(self._table, ids.contiguous(), rows.contiguous())
+            return
         offsets = _one_bag(ids.numel())
         torch.ops.fbgemm.pruned_hashmap_insert(ids, rows, offsets, self._table, self._table_offsets)
 
@@ -297,7 +316,8 @@ def _one_bag(n: int) -> torch.Tensor:
 
 
 def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -> TorchSlotIndex | FbgemmSlotIndex:
-    """The index for a table on ``device``: FBGEMM's kernels on CPU when loaded, torch ops otherwise.
+    """The index for a table on ``device``: FBGEMM's layout on CPU when FBGEMM is loaded (with
+    recsdk's kernels where they are built), torch ops otherwise.
 
     Args:
         capacity (int): rows of the table.
@@ -308,7 +328,7 @@ def make_slot_index(capacity: int, device: torch.device, row_id: torch.Tensor) -
         TorchSlotIndex | FbgemmSlotIndex: an empty index.
     """
     if device.type == "cpu" and _use_fbgemm():
-        return FbgemmSlotIndex(capacity)
+        return FbgemmSlotIndex(capacity, native_slot_kernels())
     return TorchSlotIndex(capacity, device, row_id)
 
 

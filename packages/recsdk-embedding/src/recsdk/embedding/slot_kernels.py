@@ -1,0 +1,167 @@
+"""recsdk's native kernels over FBGEMM's pruned-hashmap slots: lookup, insert and a remove that
+leaves no tombstone.
+
+FBGEMM's CPU kernels (``pruned_hashmap_lookup`` / ``pruned_hashmap_insert``) have no remove, so
+an id table that evicts marks its removed ids' slots dead, and under churn the dead slots pile up
+until a rehash: in a table that evicts every step, lookups ran 5x slower than in a fresh one.
+``slot_kernels.c`` works on the same layout (so FBGEMM's lookup, which serving's TorchScript
+modules call, reads what it writes) and deletes by shifting the probe run back, so the probes stay
+as short as the live load makes them.
+
+The source is plain C, compiled on first use with the system's C compiler (``$CC``, else ``cc``)
+into a per-user cache (``$RECSDK_CACHE_DIR``, else ``~/.cache/recsdk``, keyed by the source and
+the machine), loaded with ctypes (which releases the GIL for each call) and checked on a small
+table before use. Where no compiler is found, the build fails or ``RECSDK_NATIVE_KERNELS=0`` is
+set, :func:`native_slot_kernels` returns None and the index keeps to FBGEMM's kernels
+(:func:`native_unavailable_reason` says why).
+
+Example::
+
+    kernels = native_slot_kernels()
+    if kernels is not None:
+        slots = torch.full((11, 2), -1, dtype=torch.int64)
+        kernels.insert(slots, torch.tensor([7, 42]), torch.tensor([0, 1]))
+        kernels.lookup(slots, torch.tensor([42, 5]))  # (tensor([1, -1]), 1)
+        kernels.remove(slots, torch.tensor([7]))  # 1
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["SlotKernels", "native_slot_kernels", "native_unavailable_reason"]
+
+_SOURCE = Path(__file__).with_name("slot_kernels.c")
+_ENV_SWITCH = "RECSDK_NATIVE_KERNELS"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class SlotKernels:
+    """The compiled kernels, over FBGEMM's slots: a contiguous int64 ``[num_slots, 2]`` CPU tensor.
+
+    Every method takes contiguous int64 CPU tensors (the index's own, and ids it has checked) and
+    holds no reference to them after it returns.
+
+    Args:
+        lib (ctypes.CDLL): the loaded library.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lookup = lib.slots_lookup
+        self._lookup.argtypes = [_PTR, _I64, _PTR, _I64, _PTR]
+        self._lookup.restype = _I64
+        self._insert = lib.slots_insert
+        self._insert.argtypes = [_PTR, _PTR, _I64, _PTR, _I64]
+        self._insert.restype = None
+        self._remove = lib.slots_remove
+        self._remove.argtypes = [_PTR, _I64, _PTR, _I64]
+        self._remove.restype = _I64
+
+    def lookup(self, slots: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Rows of ``ids [n]`` (``-1`` where absent), and how many are absent. Reads only."""
+        _check(slots, ids)
+        rows = torch.empty_like(ids)
+        missing = self._lookup(ids.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0], rows.data_ptr())
+        return rows, int(missing)
+
+    def insert(self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``ids [n]`` at ``rows [n]`` (an id already stored gets its new row)."""
+        _check(slots, ids, rows)
+        if rows.numel() != ids.numel():
+            raise ValueError(f"slot kernels: {ids.numel()} ids but {rows.numel()} rows")
+        self._insert(ids.data_ptr(), rows.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0])
+
+    def remove(self, slots: torch.Tensor, ids: torch.Tensor) -> int:
+        """Remove ``ids [n]`` without leaving tombstones; returns how many were stored."""
+        _check(slots, ids)
+        return int(self._remove(ids.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0]))
+
+
+def _check(slots: torch.Tensor, *arrays: torch.Tensor) -> None:
+    """The kernels read raw memory: refuse anything but contiguous int64 CPU tensors (slots ``[m, 2]``)."""
+    if slots.dim() != 2 or slots.shape[1] != 2 or slots.shape[0] < 1:
+        raise ValueError(f"slot kernels: slots must be [num_slots >= 1, 2], got {list(slots.shape)}")
+    for t in (slots, *arrays):
+        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(
+                f"slot kernels: need contiguous int64 CPU tensors, got {t.dtype} on {t.device}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+
+
+def native_slot_kernels() -> SlotKernels | None:
+    """The kernels, compiled and checked once per process; None where unavailable."""
+    kernels, _ = _load()
+    return kernels
+
+
+def native_unavailable_reason() -> str | None:
+    """Why :func:`native_slot_kernels` is None (None: the kernels are in use)."""
+    _, why = _load()
+    return why
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[SlotKernels | None, str | None]:
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        return None, f"{_ENV_SWITCH}=0"
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler found ($CC, cc, gcc)"
+    try:
+        kernels = SlotKernels(ctypes.CDLL(str(_built(compiler))))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"building {_SOURCE.name} with {compiler} failed: {e}"
+    why = _self_check(kernels)
+    return (kernels, None) if why is None else (None, why)
+
+
+def _built(compiler: str) -> Path:
+    """The compiled library in the cache, built first if it is not there (atomically: ranks that
+    start together may build at once; each renames a finished file into place)."""
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + platform.machine().encode() + compiler.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("RECSDK_CACHE_DIR") or Path.home() / ".cache" / "recsdk")
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK):
+            raise PermissionError(f"{cache} is not writable")
+    except OSError:
+        cache = Path(tempfile.mkdtemp(prefix="recsdk-"))
+    target = cache / f"slot_kernels-{key}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        cmd = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _self_check(kernels: SlotKernels) -> str | None:
+    """Insert, look up and remove on a small table, against the expected rows (a compiler that
+    builds something else is not trusted)."""
+    slots = torch.full((7, 2), -1, dtype=torch.int64)
+    ids = torch.tensor([3, -5, 2**63 - 1, 10, 17, -(2**63)], dtype=torch.int64)
+    kernels.insert(slots, ids, torch.arange(6, dtype=torch.int64))
+    removed = kernels.remove(slots, ids[1::2].contiguous())
+    rows, missing = kernels.lookup(slots, ids)
+    expected = torch.tensor([0, -1, 2, -1, 4, -1])
+    if removed != 3 or missing != 3 or not torch.equal(rows, expected):
+        return f"{_SOURCE.name} failed its self-check (rows {rows.tolist()}, expected {expected.tolist()})"
+    return None

@@ -1,0 +1,130 @@
+"""recsdk's native slot kernels: FBGEMM's layout, a remove without tombstones, and the fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsdk.embedding import IdTable, LRUEviction, slot_index
+from recsdk.embedding.slot_index import FbgemmSlotIndex
+from recsdk.embedding.slot_kernels import native_slot_kernels, native_unavailable_reason
+
+pytestmark = [
+    pytest.mark.skipif(not slot_index.fbgemm_index_available(), reason="FBGEMM's kernels are not loaded"),
+    pytest.mark.skipif(native_slot_kernels() is None, reason=f"not built: {native_unavailable_reason()}"),
+]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _fbgemm_lookup(index: FbgemmSlotIndex, ids: torch.Tensor) -> torch.Tensor:
+    """What serving's TorchScript modules read from the slots: FBGEMM's own lookup."""
+    slots, offsets, _ = index.kernel_state()
+    bag = torch.tensor([0, ids.numel()], dtype=torch.int64)
+    return torch.ops.fbgemm.pruned_hashmap_lookup(ids, bag, slots, offsets).clamp(min=-1)
+
+
+@pytest.mark.parametrize("capacity", [5, 40, 3000])
+def test_inserts_and_removes_agree_with_a_dict_and_with_fbgemm(capacity: int) -> None:
+    """Random churn at full load: every lookup agrees with a dict, FBGEMM's lookup reads the same
+    slots, and no tombstone is ever left (small tables wrap their probe runs around the end)."""
+    index = FbgemmSlotIndex(capacity, native_slot_kernels())
+    g = torch.Generator().manual_seed(capacity)
+    model: dict[int, int] = {}
+    free = list(range(capacity))
+    universe = torch.cat([torch.randint(INT64_MIN, INT64_MAX, (3 * capacity,), generator=g), torch.tensor([-1, 0])])
+    for _ in range(30):
+        gone = [i for i in model if torch.rand(1, generator=g).item() < 0.4]
+        if gone:
+            index.remove(torch.tensor(gone), torch.tensor([model[i] for i in gone]))
+            free += [model.pop(i) for i in gone]
+        fresh = [int(i) for i in universe[torch.randperm(universe.numel(), generator=g)] if int(i) not in model]
+        fresh = fresh[: len(free)]
+        rows = [free.pop() for _ in fresh]
+        index.insert(torch.tensor(fresh, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64))
+        model.update(zip(fresh, rows, strict=True))
+        expected = torch.tensor([model.get(int(i), -1) for i in universe])
+        assert torch.equal(index.lookup(universe), expected)
+        stored = universe != -1  # -1 is kept aside of the slots, which FBGEMM's lookup reads alone
+        assert torch.equal(_fbgemm_lookup(index, universe[stored]), expected[stored])
+        assert index.tombstones == 0
+
+
+def test_removing_from_a_run_that_wraps_around_the_end() -> None:
+    """Ids whose home is the last slot spill over to slot 0: removing the first moves the others back."""
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    slots = torch.full((7, 2), -1, dtype=torch.int64)
+    homes = {i: _home(i, 7) for i in range(400)}
+    ids = torch.tensor([i for i, h in homes.items() if h == 6][:3] + [i for i, h in homes.items() if h == 0][:1])
+    kernels.insert(slots, ids, torch.arange(4, dtype=torch.int64))
+    assert slots[:, 0].tolist()[:3] == [int(ids[1]), int(ids[2]), int(ids[3])]  # the run wrapped
+    assert kernels.remove(slots, ids[:1].contiguous()) == 1
+    rows, missing = kernels.lookup(slots, ids)
+    assert rows.tolist() == [-1, 1, 2, 3] and missing == 1
+    assert int((slots[:, 0] != -1).sum()) == 3  # no tombstone
+    assert kernels.remove(slots, torch.tensor([12345678], dtype=torch.int64)) == 0  # absent: nothing
+
+
+def _home(i: int, num_slots: int) -> int:
+    m = (1 << 64) - 1
+    h = i & m
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & m
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & m
+    h ^= h >> 33
+    return h % num_slots
+
+
+def test_an_evicting_table_keeps_no_tombstones_and_never_rehashes_for_them() -> None:
+    table = IdTable(300, eviction=LRUEviction(), name="churn")
+    slots_before = table.num_slots
+    for step in range(40):
+        table.find_or_insert(torch.arange(step * 100, step * 100 + 200))
+    assert table.stats()["evictions"] > 3000
+    assert table._map.index.tombstones == 0 and table.num_slots == slots_before
+
+
+def test_the_kernels_refuse_what_they_cannot_read() -> None:
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    slots = torch.full((8, 2), -1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="int64"):
+        kernels.lookup(slots, torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(TypeError, match="not contiguous"):
+        kernels.remove(slots, torch.arange(10)[::2])
+    with pytest.raises(ValueError, match="slots must be"):
+        kernels.insert(torch.full((8,), -1, dtype=torch.int64), torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="1 ids but 2 rows"):
+        kernels.insert(slots, torch.tensor([1]), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [({"RECSDK_NATIVE_KERNELS": "0"}, "RECSDK_NATIVE_KERNELS=0"), ({"CC": "false"}, "failed")],
+)
+def test_without_the_kernels_tables_fall_back_to_fbgemms(env: dict[str, str], reason: str, tmp_path: Path) -> None:
+    """Switched off, or a compiler that fails: the kernels are None with the reason, and an evicting
+    table still maps exactly, on FBGEMM's kernels with tombstones."""
+    code = (
+        "import torch\n"
+        "from recsdk.embedding import IdTable, LRUEviction\n"
+        "from recsdk.embedding.slot_kernels import native_slot_kernels, native_unavailable_reason\n"
+        "assert native_slot_kernels() is None\n"
+        "print(native_unavailable_reason())\n"
+        "t = IdTable(1000, eviction=LRUEviction())\n"
+        "t.find_or_insert(torch.arange(1000))\n"
+        "rows = t.find_or_insert(torch.arange(2000, 2100))\n"
+        "assert t.find(torch.arange(2000, 2100)).tolist() == rows.tolist() and (rows >= 0).all()\n"
+        "assert t.stats()['evictions'] == 100 and t._map.index.tombstones == 100\n"
+    )
+    run_env = {**os.environ, "RECSDK_CACHE_DIR": str(tmp_path), **env}
+    out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert reason in out.stdout
