@@ -68,7 +68,8 @@ def test_bags_sum_mean_and_edge_ids_as_the_hash_collection(dtype: str) -> None:
     assert out["g"][:, 0].tolist() == [1.0, 3.0]  # -1; INT64_MAX
     assert out["h"][:, 0].tolist() == [4.0, 8.0]  # MEAN of 5 and an unknown id: 8 / 2; then 5 alone
     assert list(serving(kjt).keys()) == ["f", "g", "h"]
-    # A delta deletes -1 (kept aside of the slots) and INT64_MAX (its slot stays, as a tombstone) and changes 0.
+    # A delta deletes -1 (kept aside of the slots) and INT64_MAX (its slot emptied, or a tombstone with
+    # FBGEMM's kernels alone) and changes 0.
     serving.apply_version(_version("delta", {"a": ([0], [7.0], [-1, 2**63 - 1]), "b": ([], [], [])}, dtype))
     out = serving(kjt).to_dict()
     assert out["g"][:, 0].tolist() == [0.0, 0.0]

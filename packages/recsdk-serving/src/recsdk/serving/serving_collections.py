@@ -154,8 +154,9 @@ class _ServingCollection(nn.Module):
             if row >= 0:
                 minus_one.append((table.first_feature, table.first_feature + len(table.features), row))
         index_slots = torch.cat(slots)
-        # A removed id keeps its key (probes go on past it) with row -2 in the tables' indexes; here it
-        # reads -1, which the kernel skips, so a forward needs no pass over its rows.
+        # With FBGEMM's kernels alone (recsdk's leave no tombstone), a removed id keeps its key (probes
+        # go on past it) with row -2 in the tables' indexes; here it reads -1, which the kernel skips,
+        # so a forward needs no pass over its rows.
         index_slots[:, 1].clamp_(min=-1)
         return (
             index_slots,
