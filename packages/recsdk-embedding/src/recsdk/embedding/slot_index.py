@@ -274,10 +274,11 @@ class FbgemmSlotIndex(_GrowingSlots):
     def remove(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Remove stored ``ids`` (held at ``rows``): shifting their probe runs back with recsdk's
         kernels, else leaving their slots dead until a rehash."""
-        ids, dead = self._set_aside(ids, torch.full_like(rows, _DEAD_ROW), torch.full_like(rows, -1))
-        if self._kernels is not None:
-            self._kernels.remove(self._table, ids.contiguous())
+        gone = torch.full_like(rows, -1)
+        if self._kernels is not None:  # no dead rows to write
+            self._kernels.remove(self._table, self._set_aside(ids, gone, gone)[0].contiguous())
             return
+        ids, dead = self._set_aside(ids, torch.full_like(rows, _DEAD_ROW), gone)
         self._write(ids, dead)
         self.tombstones += ids.numel()
 
