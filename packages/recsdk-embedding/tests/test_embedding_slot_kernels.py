@@ -82,6 +82,38 @@ def _home(i: int, num_slots: int) -> int:
     return h % num_slots
 
 
+@pytest.mark.parametrize("num_slots", [1, 2, 3, 7, 97, 1000, 65537, 91751])
+def test_each_id_lands_on_fbgemms_home_slot(num_slots: int) -> None:
+    """The kernels find home slots without a division: each id, stored alone, sits exactly at
+    FBGEMM's ``hash % num_slots`` (ids from the whole int64 range, the extremes included)."""
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    slots = torch.full((num_slots, 2), -1, dtype=torch.int64)
+    g = torch.Generator().manual_seed(num_slots)
+    ids = torch.cat([torch.randint(INT64_MIN, INT64_MAX, (300,), generator=g), torch.tensor([0, INT64_MIN, INT64_MAX])])
+    for i in ids.tolist():
+        one = torch.tensor([i], dtype=torch.int64)
+        kernels.insert(slots, one, torch.tensor([7], dtype=torch.int64))
+        assert slots[_home(i, num_slots)].tolist() == [i, 7]
+        assert kernels.remove(slots, one) == 1 and int((slots[:, 0] != -1).sum()) == 0
+
+
+def test_a_full_table_refuses_another_id_and_still_removes() -> None:
+    """Every slot taken: an insert of a new id raises instead of probing forever, a lookup of an
+    absent id ends, and removes empty the slots one by one."""
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    slots = torch.full((3, 2), -1, dtype=torch.int64)
+    ids = torch.tensor([11, 22, 33], dtype=torch.int64)
+    kernels.insert(slots, ids, torch.arange(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="no empty slot among 3"):
+        kernels.insert(slots, torch.tensor([44], dtype=torch.int64), torch.tensor([3], dtype=torch.int64))
+    assert kernels.lookup(slots, torch.tensor([44, 22], dtype=torch.int64))[0].tolist() == [-1, 1]
+    for k in range(3):
+        assert kernels.remove(slots, ids[k : k + 1].contiguous()) == 1
+        assert kernels.lookup(slots, ids)[0].tolist() == [-1] * (k + 1) + list(range(k + 1, 3))
+
+
 def test_an_evicting_table_keeps_no_tombstones_and_never_rehashes_for_them() -> None:
     table = IdTable(300, eviction=LRUEviction(), name="churn")
     slots_before = table.num_slots

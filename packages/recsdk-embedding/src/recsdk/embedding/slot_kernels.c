@@ -7,6 +7,8 @@
  * probe steps one slot on (wrapping). So FBGEMM's lookup reads what these kernels write, and the
  * other way round. What FBGEMM lacks is ``slots_remove``: it deletes by shifting the entries of
  * the probe run back (no tombstone is left, so probes stay as short as the live load makes them).
+ * Each kernel pipelines its probes (an id's home slot is prefetched AHEAD ids before it is read)
+ * and finds home slots without a division.
  *
  * Plain C, no Python or torch headers: the loader compiles it with the system's C compiler and
  * calls it through ctypes, which releases the GIL for the call. The caller checks every argument
@@ -23,86 +25,163 @@ static inline uint64_t slot_hash(uint64_t h) {
     return h;
 }
 
-#define BLOCK 16 /* ids whose home slots are prefetched together */
+/* An id's home slot, hash(id) % m. Where the compiler has 128-bit integers, without a division
+ * (Lemire, Kaser and Kurz, "Faster remainder by direct computation", 2019): with
+ * M = floor((2^128 - 1) / m) + 1, h % m is the high 64 bits of the 192-bit product
+ * (M * h mod 2^128) * m, exact for every 64-bit h and m >= 1. A remove rehashes every entry of the
+ * probe run after the freed slot, so the division was most of its cost. */
+#if defined(__SIZEOF_INT128__)
+typedef struct {
+    unsigned __int128 magic;
+    uint64_t m;
+} slot_mod;
 
-/* rows[i]: the row of ids[i], -1 where absent (and where a slot holds a removed id's row < 0).
- * Returns how many ids were absent. */
+static inline slot_mod mod_of(uint64_t m) {
+    slot_mod d;
+    d.magic = ((unsigned __int128)-1) / m + 1;
+    d.m = m;
+    return d;
+}
+
+static inline uint64_t home_of(uint64_t id, const slot_mod *d) {
+    const unsigned __int128 low = d->magic * slot_hash(id);
+    const unsigned __int128 lo = (unsigned __int128)(uint64_t)low * d->m;
+    const unsigned __int128 hi = (unsigned __int128)(uint64_t)(low >> 64) * d->m;
+    return (uint64_t)((hi + (lo >> 64)) >> 64);
+}
+#else
+typedef struct {
+    uint64_t m;
+} slot_mod;
+
+static inline slot_mod mod_of(uint64_t m) {
+    slot_mod d;
+    d.m = m;
+    return d;
+}
+
+static inline uint64_t home_of(uint64_t id, const slot_mod *d) { return slot_hash(id) % d->m; }
+#endif
+
+/* Each kernel computes the home slot of the id AHEAD places on and prefetches it while it probes
+ * the current one, so about AHEAD cache misses are in flight (a power of two: a ring of homes). */
+#define AHEAD 16
+
+/* rows[i]: the row of ids[i], -1 where absent (and where a slot holds a removed id's row < 0,
+ * as FBGEMM's kernels leave them). A probe stops at an empty slot, or after every slot (a table
+ * with no empty slot). Returns how many ids were absent. */
 int64_t slots_lookup(const int64_t *ids, int64_t n, const int64_t *slots, int64_t num_slots, int64_t *rows) {
     int64_t missing = 0;
-    uint64_t home[BLOCK];
+    uint64_t home[AHEAD];
     const uint64_t m = (uint64_t)num_slots;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        int64_t end = start + BLOCK < n ? start + BLOCK : n;
-        for (int64_t i = start; i < end; i++) {
-            home[i - start] = slot_hash((uint64_t)ids[i]) % m;
-            __builtin_prefetch(&slots[2 * home[i - start]]);
+    const slot_mod d = mod_of(m);
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        home[i] = home_of((uint64_t)ids[i], &d);
+        __builtin_prefetch(&slots[2 * home[i]]);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t s = home[i & (AHEAD - 1)];
+        if (i + AHEAD < n) {
+            const uint64_t ahead = home_of((uint64_t)ids[i + AHEAD], &d);
+            home[i & (AHEAD - 1)] = ahead;
+            __builtin_prefetch(&slots[2 * ahead]);
         }
-        for (int64_t i = start; i < end; i++) {
-            const int64_t id = ids[i];
-            uint64_t s = home[i - start];
-            int64_t row = -1;
-            for (;;) {
-                const int64_t key = slots[2 * s];
-                if (key == -1) break;
-                if (key == id) {
-                    row = slots[2 * s + 1];
-                    if (row < 0) row = -1;
-                    break;
-                }
-                if (++s == m) s = 0;
+        const int64_t id = ids[i];
+        int64_t row = -1;
+        for (uint64_t probes = 0; probes < m; probes++) {
+            const int64_t key = slots[2 * s];
+            if (key == -1) break;
+            if (key == id) {
+                row = slots[2 * s + 1];
+                if (row < 0) row = -1;
+                break;
             }
-            rows[i] = row;
-            missing += row < 0;
+            if (++s == m) s = 0;
         }
+        rows[i] = row;
+        missing += row < 0;
     }
     return missing;
 }
 
-/* Store ids[i] at rows[i] (an id already stored gets the new row), as FBGEMM's insert does. */
-void slots_insert(const int64_t *ids, const int64_t *rows, int64_t n, int64_t *slots, int64_t num_slots) {
+/* Store ids[i] at rows[i] (an id already stored gets the new row), as FBGEMM's insert does.
+ * Returns how many ids found no slot (a full table: the probe gave up after every slot). */
+int64_t slots_insert(const int64_t *ids, const int64_t *rows, int64_t n, int64_t *slots, int64_t num_slots) {
+    int64_t unplaced = 0;
+    uint64_t home[AHEAD];
+    const slot_mod d = mod_of((uint64_t)num_slots);
     const uint64_t m = (uint64_t)num_slots;
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        home[i] = home_of((uint64_t)ids[i], &d);
+        __builtin_prefetch(&slots[2 * home[i]], 1);
+    }
     for (int64_t i = 0; i < n; i++) {
+        uint64_t s = home[i & (AHEAD - 1)];
+        if (i + AHEAD < n) {
+            const uint64_t ahead = home_of((uint64_t)ids[i + AHEAD], &d);
+            home[i & (AHEAD - 1)] = ahead;
+            __builtin_prefetch(&slots[2 * ahead], 1);
+        }
         const int64_t id = ids[i];
         if (id == -1) continue; /* the empty marker cannot be stored (the caller keeps it aside) */
-        uint64_t s = slot_hash((uint64_t)id) % m;
-        while (slots[2 * s] != -1 && slots[2 * s] != id) {
+        uint64_t probes = 0;
+        while (slots[2 * s] != -1 && slots[2 * s] != id && probes < m) {
             if (++s == m) s = 0;
+            probes++;
+        }
+        if (probes == m) {
+            unplaced++;
+            continue;
         }
         slots[2 * s] = id;
         slots[2 * s + 1] = rows[i];
     }
+    return unplaced;
 }
 
 /* Remove ids (absent ones are skipped) by backward-shift deletion: the entries after the freed
  * slot in its probe run move back when their home slot does not lie cyclically in (freed, here].
  * Returns how many ids were removed. */
 int64_t slots_remove(const int64_t *ids, int64_t n, int64_t *slots, int64_t num_slots) {
+    uint64_t home[AHEAD];
+    const slot_mod d = mod_of((uint64_t)num_slots);
     const uint64_t m = (uint64_t)num_slots;
     int64_t removed = 0;
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        home[i] = home_of((uint64_t)ids[i], &d);
+        __builtin_prefetch(&slots[2 * home[i]], 1);
+    }
     for (int64_t i = 0; i < n; i++) {
+        uint64_t hole = home[i & (AHEAD - 1)];
+        if (i + AHEAD < n) {
+            const uint64_t ahead = home_of((uint64_t)ids[i + AHEAD], &d);
+            home[i & (AHEAD - 1)] = ahead;
+            __builtin_prefetch(&slots[2 * ahead], 1);
+        }
         const int64_t id = ids[i];
         if (id == -1) continue;
-        uint64_t hole = slot_hash((uint64_t)id) % m;
         while (slots[2 * hole] != id) {
             if (slots[2 * hole] == -1) break;
             if (++hole == m) hole = 0;
         }
         if (slots[2 * hole] != id) continue;
         removed++;
+        slots[2 * hole] = -1; /* emptied first: the scan below ends there at the latest (a full table) */
+        slots[2 * hole + 1] = -1;
         uint64_t j = hole;
         for (;;) {
             if (++j == m) j = 0;
             const int64_t key = slots[2 * j];
             if (key == -1) break;
-            const uint64_t k = slot_hash((uint64_t)key) % m;
+            const uint64_t k = home_of((uint64_t)key, &d);
             const int stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
             if (stays) continue;
             slots[2 * hole] = key;
             slots[2 * hole + 1] = slots[2 * j + 1];
+            slots[2 * j] = -1;
+            slots[2 * j + 1] = -1;
             hole = j;
         }
-        slots[2 * hole] = -1;
-        slots[2 * hole + 1] = -1;
     }
     return removed;
 }

@@ -62,7 +62,7 @@ class SlotKernels:
         self._lookup.restype = _I64
         self._insert = lib.slots_insert
         self._insert.argtypes = [_PTR, _PTR, _I64, _PTR, _I64]
-        self._insert.restype = None
+        self._insert.restype = _I64
         self._remove = lib.slots_remove
         self._remove.argtypes = [_PTR, _I64, _PTR, _I64]
         self._remove.restype = _I64
@@ -79,7 +79,9 @@ class SlotKernels:
         _check(slots, ids, rows)
         if rows.numel() != ids.numel():
             raise ValueError(f"slot kernels: {ids.numel()} ids but {rows.numel()} rows")
-        self._insert(ids.data_ptr(), rows.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0])
+        unplaced = self._insert(ids.data_ptr(), rows.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0])
+        if unplaced:
+            raise ValueError(f"slot kernels: {unplaced} ids found no empty slot among {slots.shape[0]} (a full table)")
 
     def remove(self, slots: torch.Tensor, ids: torch.Tensor) -> int:
         """Remove ``ids [n]`` without leaving tombstones; returns how many were stored."""
