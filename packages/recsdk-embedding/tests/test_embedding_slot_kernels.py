@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recsdk.embedding import IdTable, LRUEviction, slot_index
+from recsdk.embedding import IdTable, LRUEviction, count_sketch, slot_index
+from recsdk.embedding.count_sketch import CountMinSketch
 from recsdk.embedding.slot_index import FbgemmSlotIndex
 from recsdk.embedding.slot_kernels import native_slot_kernels, native_unavailable_reason
 
@@ -160,3 +161,44 @@ def test_without_the_kernels_tables_fall_back_to_fbgemms(env: dict[str, str], re
     out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert reason in out.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_native_sketch_counts_what_the_torch_sketch_counts(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission's count-min sketch gives the same positions, estimates and counters with
+    recsdk's kernels as in torch ops, over rounds of distinct ids whose counters collide."""
+    native = CountMinSketch(37, 4, cap=50, device=torch.device("cpu"), dtype=dtype)
+    monkeypatch.setattr(count_sketch, "native_slot_kernels", lambda: None)
+    plain = CountMinSketch(37, 4, cap=50, device=torch.device("cpu"), dtype=dtype)
+    assert native._kernels is not None and plain._kernels is None
+    g = torch.Generator().manual_seed(3)
+    universe = torch.cat([torch.randint(INT64_MIN, INT64_MAX, (200,), generator=g), torch.tensor([0, -1, INT64_MIN])])
+    for _ in range(12):
+        ids = universe[torch.randperm(universe.numel(), generator=g)[:80]]
+        (pos_n, est_n), (pos_p, est_p) = native.read(ids), plain.read(ids)
+        assert torch.equal(pos_n, pos_p) and torch.equal(est_n, est_p) and est_n.dtype == dtype
+        amounts = torch.randint(0, 9, (80,), generator=g, dtype=dtype)
+        assert torch.equal(native.add(pos_n, est_n, amounts), plain.add(pos_p, est_p, amounts))
+        assert torch.equal(native.counters, plain.counters)
+    assert int(native.counters.max()) == 50  # saturated at the cap
+
+
+def test_the_sketch_kernels_refuse_what_they_cannot_read() -> None:
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    counters = torch.zeros(10, dtype=torch.int32)
+    salts = torch.tensor([1, 2], dtype=torch.int64)
+    with pytest.raises(ValueError, match="10 counters for 2 rows of width 4"):
+        kernels.sketch_read(torch.tensor([1]), salts, 4, counters)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        kernels.sketch_read(torch.tensor([1]), salts, 5, counters.float())
+    with pytest.raises(TypeError, match="contiguous"):
+        kernels.sketch_read(torch.arange(4)[::2], salts, 5, counters)
+    positions = torch.tensor([[0], [10]], dtype=torch.int64)  # 10 lies past the counters
+    with pytest.raises(ValueError, match="outside the 10 counters"):
+        kernels.sketch_raise(positions, torch.tensor([3], dtype=torch.int32), counters)
+    assert int(counters.sum()) == 0  # nothing written
+    with pytest.raises(TypeError, match=r"counts torch\.int64 for torch\.int32 counters"):
+        kernels.sketch_raise(positions, torch.tensor([3]), counters)

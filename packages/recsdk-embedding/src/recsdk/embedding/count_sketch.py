@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from recsdk.embedding.hashing import fmix64
+from recsdk.embedding.slot_kernels import native_slot_kernels
 
 __all__ = ["CountMinSketch"]
 
@@ -28,7 +29,9 @@ class CountMinSketch:
 
     ``estimate`` never undercounts. ``add_one`` and ``add`` use conservative update (each counter
     of an id is raised to at most the id's new estimate), which keeps overcounting low. Counts
-    saturate at ``cap``.
+    saturate at ``cap``. On CPU, :meth:`read` and :meth:`add` run recsdk's native kernels
+    (:func:`~recsdk.embedding.slot_kernels.native_slot_kernels`: one call instead of about 15 torch
+    ops, the same counters) where they are built.
 
     Args:
         width (int): counters per row.
@@ -49,6 +52,7 @@ class CountMinSketch:
         self.counters = torch.zeros(width * num_hashes, dtype=dtype, device=device)
         self._salts = torch.tensor(_SALTS[:num_hashes], dtype=torch.int64, device=device).unsqueeze(1)  # [k, 1]
         self._row_starts = torch.arange(0, width * num_hashes, width, dtype=torch.int64, device=device).unsqueeze(1)
+        self._kernels = native_slot_kernels() if self.counters.device.type == "cpu" else None
 
     def positions(self, ids: torch.Tensor) -> torch.Tensor:
         """Counter index of each id in each row.
@@ -61,6 +65,13 @@ class CountMinSketch:
         """
         # Every row's hash in one pass over [num_hashes, n] (salts [num_hashes, 1] broadcast).
         return fmix64(ids, self._salts).bitwise_and_(_INT64_MAX).remainder_(self.width).add_(self._row_starts)
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`positions` of ``ids`` (int64 ``[n]``) and their :meth:`estimate`, in one pass."""
+        if self._kernels is not None:
+            return self._kernels.sketch_read(ids.contiguous(), self._salts.view(-1), self.width, self.counters)
+        positions = self.positions(ids)
+        return positions, self.estimate(positions)
 
     def estimate(self, positions: torch.Tensor) -> torch.Tensor:
         """Estimated counts (``[n]``, the counters' dtype) for ``positions`` from :meth:`positions`."""
@@ -88,7 +99,9 @@ class CountMinSketch:
             torch.Tensor: the new estimates ``[n]`` (the counters' dtype).
         """
         new = (estimate + amounts).clamp_(max=self.cap)
-        if positions.numel():
+        if self._kernels is not None:
+            self._kernels.sketch_raise(positions.contiguous(), new.contiguous(), self.counters)
+        elif positions.numel():
             self.counters.scatter_reduce_(
                 0, positions.reshape(-1), new.expand(self.num_hashes, -1).reshape(-1), reduce="amax"
             )

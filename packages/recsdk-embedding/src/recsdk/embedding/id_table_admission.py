@@ -96,8 +96,7 @@ class IdTableAdmission:
             :meth:`count` needs (None without a sketch).
         """
         if self._sketch is not None:
-            positions = self._sketch.positions(uniq)
-            estimate = self._sketch.estimate(positions)
+            positions, estimate = self._sketch.read(uniq)
             return estimate + 1 >= self._sketch.cap, positions, estimate
         if isinstance(self._policy, ScoreAdmission):
             assert self._scores is not None and units is not None and amounts is not None

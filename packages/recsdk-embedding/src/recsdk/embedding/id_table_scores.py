@@ -157,8 +157,7 @@ class IdTableScores:
             positions and estimates (for :meth:`count`).
         """
         assert self.sketch is not None and self.threshold is not None
-        positions = self.sketch.positions(uniq)
-        estimate = self.sketch.estimate(positions)
+        positions, estimate = self.sketch.read(uniq)
         admitted = (estimate + amounts).double() >= self.threshold * SCORE_ONE * units.scale
         return admitted, positions, estimate
 
@@ -204,7 +203,7 @@ class IdTableScores:
         if self.rows is not None:
             stored[has_row] = self.rows[rows[has_row]]
         if self.sketch is not None and bool((~has_row).any()):
-            stored[~has_row] = self.sketch.estimate(self.sketch.positions(ids[~has_row]))
+            stored[~has_row] = self.sketch.read(ids[~has_row])[1]
         return self.true_scores(stored, step)
 
     def of_rows(self, rows: torch.Tensor, step: int) -> torch.Tensor:

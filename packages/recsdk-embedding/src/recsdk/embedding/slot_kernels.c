@@ -43,8 +43,8 @@ static inline slot_mod mod_of(uint64_t m) {
     return d;
 }
 
-static inline uint64_t home_of(uint64_t id, const slot_mod *d) {
-    const unsigned __int128 low = d->magic * slot_hash(id);
+static inline uint64_t mod_by(uint64_t h, const slot_mod *d) {
+    const unsigned __int128 low = d->magic * h;
     const unsigned __int128 lo = (unsigned __int128)(uint64_t)low * d->m;
     const unsigned __int128 hi = (unsigned __int128)(uint64_t)(low >> 64) * d->m;
     return (uint64_t)((hi + (lo >> 64)) >> 64);
@@ -60,8 +60,10 @@ static inline slot_mod mod_of(uint64_t m) {
     return d;
 }
 
-static inline uint64_t home_of(uint64_t id, const slot_mod *d) { return slot_hash(id) % d->m; }
+static inline uint64_t mod_by(uint64_t h, const slot_mod *d) { return h % d->m; }
 #endif
+
+static inline uint64_t home_of(uint64_t id, const slot_mod *d) { return mod_by(slot_hash(id), d); }
 
 /* Each kernel computes the home slot of the id AHEAD places on and prefetches it while it probes
  * the current one, so about AHEAD cache misses are in flight (a power of two: a ring of homes). */
@@ -185,3 +187,48 @@ int64_t slots_remove(const int64_t *ids, int64_t n, int64_t *slots, int64_t num_
     }
     return removed;
 }
+
+/* The count-min sketch of admission (count_sketch.py): k rows of `width` counters end to end.
+ * An id's counter in row j is j * width + (fmix64(id ^ salts[j]) & INT64_MAX) % width, as
+ * CountMinSketch.positions computes it in torch ops. sketch_read_T writes positions [k, n] (row
+ * major) and each id's estimate, the least of its k counters; sketch_raise_T raises each id's
+ * counters to at least new_counts[i] (the conservative update), or returns -1, changing nothing,
+ * when a position lies outside the num_counters counters. */
+#define SKETCH_KERNELS(T, SUFFIX)                                                                  \
+    void sketch_read_##SUFFIX(const int64_t *ids, int64_t n, const int64_t *salts, int64_t k,     \
+                              int64_t width, const T *counters, int64_t *positions, T *estimate) { \
+        const slot_mod d = mod_of((uint64_t)width);                                                \
+        for (int64_t j = 0; j < k; j++) {                                                          \
+            const uint64_t salt = (uint64_t)salts[j];                                              \
+            int64_t *row = positions + j * n;                                                      \
+            for (int64_t i = 0; i < n; i++) {                                                      \
+                const uint64_t h = slot_hash((uint64_t)ids[i] ^ salt) & (uint64_t)INT64_MAX;       \
+                row[i] = j * width + (int64_t)mod_by(h, &d);                                       \
+                __builtin_prefetch(&counters[row[i]]);                                             \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = 0; i < n; i++) {                                                          \
+            T least = counters[positions[i]];                                                      \
+            for (int64_t j = 1; j < k; j++) {                                                      \
+                const T c = counters[positions[j * n + i]];                                        \
+                if (c < least) least = c;                                                          \
+            }                                                                                      \
+            estimate[i] = least;                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+    int64_t sketch_raise_##SUFFIX(const int64_t *positions, int64_t n, int64_t k, const T *new_counts, \
+                                  T *counters, int64_t num_counters) {                             \
+        for (int64_t i = 0; i < k * n; i++) {                                                      \
+            if (positions[i] < 0 || positions[i] >= num_counters) return -1;                      \
+        }                                                                                          \
+        for (int64_t j = 0; j < k; j++) {                                                          \
+            const int64_t *row = positions + j * n;                                                \
+            for (int64_t i = 0; i < n; i++) {                                                      \
+                if (counters[row[i]] < new_counts[i]) counters[row[i]] = new_counts[i];            \
+            }                                                                                      \
+        }                                                                                          \
+        return 0;                                                                                  \
+    }
+
+SKETCH_KERNELS(int32_t, int32)
+SKETCH_KERNELS(int64_t, int64)

@@ -1,12 +1,15 @@
-"""recsdk's native kernels over FBGEMM's pruned-hashmap slots: lookup, insert and a remove that
-leaves no tombstone.
+"""recsdk's native kernels of the id table: over FBGEMM's pruned-hashmap slots, lookup, insert and
+a remove that leaves no tombstone; and the admission count-min sketch's read and update.
 
 FBGEMM's CPU kernels (``pruned_hashmap_lookup`` / ``pruned_hashmap_insert``) have no remove, so
 an id table that evicts marks its removed ids' slots dead, and under churn the dead slots pile up
 until a rehash: in a table that evicts every step, lookups ran 5x slower than in a fresh one.
 ``slot_kernels.c`` works on the same layout (so FBGEMM's lookup, which serving's TorchScript
 modules call, reads what it writes) and deletes by shifting the probe run back, so the probes stay
-as short as the live load makes them.
+as short as the live load makes them. Each kernel prefetches the home slot of the id 16 places
+ahead while it probes the current one, and finds home slots without a division. The sketch's
+kernels (:meth:`SlotKernels.sketch_read`, :meth:`SlotKernels.sketch_raise`) compute in one call
+what :class:`~recsdk.embedding.count_sketch.CountMinSketch` does in about 15 torch ops.
 
 The source is plain C, compiled on first use with the system's C compiler (``$CC``, else ``cc``)
 into a per-user cache (``$RECSDK_CACHE_DIR``, else ``~/.cache/recsdk``, keyed by the source and
@@ -39,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from recsdk.embedding.hashing import fmix64
+
 __all__ = ["SlotKernels", "native_slot_kernels", "native_unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("slot_kernels.c")
@@ -66,6 +71,12 @@ class SlotKernels:
         self._remove = lib.slots_remove
         self._remove.argtypes = [_PTR, _I64, _PTR, _I64]
         self._remove.restype = _I64
+        self._sketch_read = {torch.int32: lib.sketch_read_int32, torch.int64: lib.sketch_read_int64}
+        self._sketch_raise = {torch.int32: lib.sketch_raise_int32, torch.int64: lib.sketch_raise_int64}
+        for fn in self._sketch_read.values():
+            fn.argtypes, fn.restype = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR], None
+        for fn in self._sketch_raise.values():
+            fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _PTR, _I64], _I64
 
     def lookup(self, slots: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of ``ids [n]`` (``-1`` where absent), and how many are absent. Reads only."""
@@ -88,17 +99,82 @@ class SlotKernels:
         _check(slots, ids)
         return int(self._remove(ids.data_ptr(), ids.numel(), slots.data_ptr(), slots.shape[0]))
 
+    def sketch_read(
+        self, ids: torch.Tensor, salts: torch.Tensor, width: int, counters: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A count-min sketch's counter positions and estimates of ``ids`` (what
+        :meth:`~recsdk.embedding.count_sketch.CountMinSketch.positions` and ``estimate`` compute in
+        torch ops). Reads only.
+
+        Args:
+            ids (torch.Tensor): int64 ``[n]``.
+            salts (torch.Tensor): int64 ``[k]``, one per sketch row.
+            width (int): counters per row (>= 1).
+            counters (torch.Tensor): int32 or int64 ``[k * width]``.
+
+        Returns:
+            tuple: int64 positions ``[k, n]`` and the estimates ``[n]`` (the counters' dtype).
+        """
+        k = _sketch_args(salts, width, counters, ids)
+        positions = torch.empty((k, ids.numel()), dtype=torch.int64)
+        estimate = torch.empty(ids.numel(), dtype=counters.dtype)
+        self._sketch_read[counters.dtype](
+            ids.data_ptr(),
+            ids.numel(),
+            salts.data_ptr(),
+            k,
+            width,
+            counters.data_ptr(),
+            positions.data_ptr(),
+            estimate.data_ptr(),
+        )
+        return positions, estimate
+
+    def sketch_raise(self, positions: torch.Tensor, new_counts: torch.Tensor, counters: torch.Tensor) -> None:
+        """Raise each id's counters (``positions [k, n]``) to at least ``new_counts [n]`` (the
+        counters' dtype): the sketch's conservative update. Positions outside the counters raise
+        ``ValueError`` before any counter changes."""
+        _check_arrays(positions)
+        if counters.dtype not in self._sketch_raise or new_counts.dtype != counters.dtype:
+            raise TypeError(f"sketch_raise: counts {new_counts.dtype} for {counters.dtype} counters (int32 or int64)")
+        _check_arrays(new_counts, counters, dtype=counters.dtype)
+        if positions.dim() != 2 or positions.shape[1] != new_counts.numel():
+            raise ValueError(f"sketch_raise: positions {list(positions.shape)} for {new_counts.numel()} counts")
+        k, n = positions.shape
+        code = self._sketch_raise[counters.dtype](
+            positions.data_ptr(), n, k, new_counts.data_ptr(), counters.data_ptr(), counters.numel()
+        )
+        if code:
+            raise ValueError(f"sketch_raise: a position lies outside the {counters.numel()} counters")
+
+
+def _sketch_args(salts: torch.Tensor, width: int, counters: torch.Tensor, ids: torch.Tensor) -> int:
+    """Check :meth:`SlotKernels.sketch_read`'s arguments; returns the sketch's rows."""
+    _check_arrays(ids, salts)
+    if counters.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"sketch_read: counters must be int32 or int64, got {counters.dtype}")
+    _check_arrays(counters, dtype=counters.dtype)
+    k = salts.numel()
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1 or k < 1 or counters.numel() != k * width:
+        raise ValueError(f"sketch_read: {counters.numel()} counters for {k} rows of width {width!r}")
+    return k
+
+
+def _check_arrays(*arrays: torch.Tensor, dtype: torch.dtype = torch.int64) -> None:
+    """Refuse anything but contiguous CPU tensors of ``dtype`` (the kernels read raw memory)."""
+    for t in arrays:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(
+                f"slot kernels: need contiguous {dtype} CPU tensors, got {t.dtype} on {t.device}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+
 
 def _check(slots: torch.Tensor, *arrays: torch.Tensor) -> None:
     """The kernels read raw memory: refuse anything but contiguous int64 CPU tensors (slots ``[m, 2]``)."""
     if slots.dim() != 2 or slots.shape[1] != 2 or slots.shape[0] < 1:
         raise ValueError(f"slot kernels: slots must be [num_slots >= 1, 2], got {list(slots.shape)}")
-    for t in (slots, *arrays):
-        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
-            raise TypeError(
-                f"slot kernels: need contiguous int64 CPU tensors, got {t.dtype} on {t.device}"
-                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
-            )
+    _check_arrays(slots, *arrays)
 
 
 def native_slot_kernels() -> SlotKernels | None:
@@ -166,4 +242,10 @@ def _self_check(kernels: SlotKernels) -> str | None:
     expected = torch.tensor([0, -1, 2, -1, 4, -1])
     if removed != 3 or missing != 3 or not torch.equal(rows, expected):
         return f"{_SOURCE.name} failed its self-check (rows {rows.tolist()}, expected {expected.tolist()})"
+    salts = torch.tensor([0x6A09E667F3BCC908, -0x61C8864680B583EB], dtype=torch.int64)
+    counters = torch.arange(10, dtype=torch.int32)
+    positions, estimate = kernels.sketch_read(ids, salts, 5, counters)
+    hashed = fmix64(ids, salts.unsqueeze(1)).bitwise_and_(2**63 - 1).remainder_(5)
+    if not torch.equal(positions, hashed + torch.tensor([[0], [5]])) or not torch.equal(estimate, hashed[0].int()):
+        return f"{_SOURCE.name} failed its self-check (sketch positions {positions.tolist()})"
     return None
