@@ -12,6 +12,7 @@ def test_wheel_holds_only_recsdk_embedding(tmp_path: Path) -> None:
     assert "recsdk/embedding/__init__.py" in payload
     assert "recsdk/embedding/py.typed" in payload
     assert "recsdk/embedding/slot_kernels.c" in payload  # compiled on first use
+    assert "recsdk/embedding/slot_lookup.c" in payload
     outside = [n for n in payload if not n.startswith("recsdk/embedding/")]
     assert outside == [], f"files outside recsdk/embedding/: {outside}"
 

@@ -204,10 +204,11 @@ def _load() -> tuple[SlotKernels | None, str | None]:
     return (kernels, None) if why is None else (None, why)
 
 
-def _built(compiler: str) -> Path:
-    """The compiled library in the cache, built first if it is not there (atomically: ranks that
-    start together may build at once; each renames a finished file into place)."""
-    source = _SOURCE.read_bytes()
+def _built(compiler: str, source_path: Path = _SOURCE) -> Path:
+    """The compiled library of ``source_path`` (plain C) in the cache, built first if it is not
+    there (atomically: ranks that start together may build at once; each renames a finished file
+    into place)."""
+    source = source_path.read_bytes()
     key = hashlib.sha256(source + platform.machine().encode() + compiler.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("RECSDK_CACHE_DIR") or Path.home() / ".cache" / "recsdk")
     try:
@@ -216,13 +217,13 @@ def _built(compiler: str) -> Path:
             raise PermissionError(f"{cache} is not writable")
     except OSError:
         cache = Path(tempfile.mkdtemp(prefix="recsdk-"))
-    target = cache / f"slot_kernels-{key}.so"
+    target = cache / f"{source_path.stem}-{key}.so"
     if target.exists():
         return target
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)]
+        cmd = [compiler, "-O3", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(source_path)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
