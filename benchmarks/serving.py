@@ -10,7 +10,10 @@ in fp32 and int8, and served in this process. One JSON line per measurement:
   ``QuantEmbeddingBagCollection`` (int8) on the same ids remapped offline to ``0..n-1``; ratio =
   ours / theirs in ids/s (target >= 0.8); the collections' ``lookup_threads`` is set to the
   thread count, and ``lookup_groups`` is the threads a forward split its lookup over
-  (``recsdk.serving.grouped_lookup``);
+  (``recsdk.serving.grouped_lookup``); where recsdk's id lookup kernel is built, each round also
+  runs the same forwards on FBGEMM's ``pruned_hashmap_lookup`` alone (``native_min_ids = -1``):
+  ``fbgemm_lookup_ids_per_s`` and ``fbgemm_lookup_ratio`` (ours on FBGEMM's id lookup / theirs),
+  interleaved with the others, and ``native_lookup`` says whether the forwards used recsdk's op;
 - ``batch_check``: per thread count and dtype at batch 512, what ``check_batch`` costs: forwards
   with it against the same forwards with it replaced by the bare ``asynchronous_complete_cumsum``
   of the lengths and the read of its total (what a forward needs without the check),
@@ -124,6 +127,10 @@ def _batches(args: argparse.Namespace, ids: dict[str, torch.Tensor], batch_size:
     return out
 
 
+def _thread_counts(args: argparse.Namespace) -> list[int]:
+    return sorted(set(args.threads)) if args.threads else sorted({1, os.cpu_count() or 1})
+
+
 def _latencies(fn: Any, inputs: list[Any]) -> list[float]:
     out = []
     with torch.no_grad():
@@ -154,7 +161,7 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
         "float32": (served["float32"].model.ebc, torchrec_ebc, "EmbeddingBagCollection (fp32)"),
         "uint8": (served["uint8"].model.ebc, quant_ebc, "QuantEmbeddingBagCollection (int8)"),
     }
-    for threads in sorted({1, os.cpu_count() or 1}):
+    for threads in _thread_counts(args):
         torch.set_num_threads(threads)
         for batch_size in (512, 1):
             batches = _batches(args, ids, batch_size, args.forwards)
@@ -163,11 +170,19 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
             groups = len(feature_bounds(first.offsets(), batch_size, args.tables, threads)) - 1
             for dtype, (ours, theirs, name) in pairs.items():
                 ours.lookup_threads = threads
+                native = ours.native_min_ids
                 mine: list[list[float]] = []
                 base: list[list[float]] = []
-                for _ in range(args.rounds):  # interleaved: ours, theirs, ours, ...
+                on_fbgemm: list[list[float]] = []  # ours with FBGEMM's id lookup alone
+                for _ in range(args.rounds):  # interleaved: ours, theirs, ours on FBGEMM's lookup, ...
                     mine.append(_latencies(ours, [raw for raw, _ in batches]))
                     base.append(_latencies(theirs, [remapped for _, remapped in batches]))
+                    if native >= 0:
+                        ours.native_min_ids = -1
+                        try:
+                            on_fbgemm.append(_latencies(ours, [raw for raw, _ in batches]))
+                        finally:
+                            ours.native_min_ids = native
                 ours_s = statistics.median(statistics.mean(r) for r in mine)
                 theirs_s = statistics.median(statistics.mean(r) for r in base)
                 flat_mine, flat_base = [x for r in mine for x in r], [x for r in base for x in r]
@@ -187,7 +202,12 @@ def _lookups(args: argparse.Namespace, served: dict[str, ServingModel], ids: dic
                     "baseline_p50_ms": _p(flat_base, 0.5) * 1e3,
                     "baseline_p99_ms": _p(flat_base, 0.99) * 1e3,
                     "ratio": theirs_s / ours_s,
+                    "native_lookup": 0 <= native <= ids_per_forward,
                 }
+                if on_fbgemm:
+                    fbgemm_s = statistics.median(statistics.mean(r) for r in on_fbgemm)
+                    line["fbgemm_lookup_ids_per_s"] = ids_per_forward / fbgemm_s
+                    line["fbgemm_lookup_ratio"] = theirs_s / fbgemm_s
                 print(json.dumps(line), flush=True)
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -232,7 +252,7 @@ def _batch_check(args: argparse.Namespace, served: dict[str, ServingModel], ids:
     checked = collections_module.check_batch
     raw = [r for r, _ in _batches(args, ids, 512, args.forwards)]
     features = feature_names(args.tables)
-    for threads in sorted({1, os.cpu_count() or 1}):
+    for threads in _thread_counts(args):
         torch.set_num_threads(threads)
         for dtype, serving in served.items():
             collection = serving.model.ebc
@@ -367,18 +387,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--forwards", type=int, default=200, help="forwards per round and case")
     parser.add_argument("--check-rounds", type=int, default=15, help="interleaved rounds of the batch check's cost")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["lookup", "batch_check", "memory", "apply_delta"],
+        default=["lookup", "batch_check", "memory", "apply_delta"],
+        help="the measurements to run (default: all)",
+    )
+    parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: 1 and all cores)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="recsdk-serving-bench-")
     try:
         roots = {dtype: os.path.join(work, dtype) for dtype in ("float32", "uint8")}
         ids = run_distributed(_publish, 1, args, roots, timeout_s=1800)[0]
         served = {dtype: ServingModel(_model(args, "cpu"), root) for dtype, root in roots.items()}
-        _lookups(args, served, ids)
-        _batch_check(args, served, ids)
-        _memory(args, served)
+        if "lookup" in args.only:
+            _lookups(args, served, ids)
+        if "batch_check" in args.only:
+            _batch_check(args, served, ids)
+        if "memory" in args.only:
+            _memory(args, served)
         del served
-        source = roots["float32"]
-        _apply_while_serving(args, source, ids)
+        if "apply_delta" in args.only:
+            _apply_while_serving(args, roots["float32"], ids)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,8 +1,12 @@
 """``lookup_in_groups``: a serving collection's id lookup and embedding lookup, split by features
 over threads.
 
-A forward maps raw ids to rows with FBGEMM's ``pruned_hashmap_lookup`` and looks the rows up with
-FBGEMM's inference op (``int_nbit_split_embedding_codegen_lookup_function``, what
+A forward maps raw ids to rows with recsdk's ``pruned_slots_lookup`` op
+(:mod:`recsdk.embedding.slot_lookup`: FBGEMM's ``pruned_hashmap_lookup``, its probes prefetched,
+about twice as fast) from :data:`NATIVE_MIN_IDS` ids, with FBGEMM's own below that (the op's
+dispatch through Python costs more than it saves there) or where recsdk's kernel is not built,
+and looks the rows up with FBGEMM's inference op
+(``int_nbit_split_embedding_codegen_lookup_function``, what
 ``IntNBitTableBatchedEmbeddingBagsCodegen`` runs). Both kernels run on the calling thread only,
 and both release the GIL. So the features are cut into contiguous groups of about as many ids
 each (:func:`feature_bounds`), and every group but the first is looked up by a task of
@@ -23,11 +27,25 @@ from typing import NamedTuple
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
-__all__ = ["MIN_IDS_PER_GROUP", "KernelView", "feature_bounds", "kernel_view", "lookup_features", "lookup_in_groups"]
+from recsdk.embedding import slot_lookup  # noqa: F401  (defines torch.ops.recsdk.pruned_slots_lookup)
+
+__all__ = [
+    "MIN_IDS_PER_GROUP",
+    "NATIVE_MIN_IDS",
+    "KernelView",
+    "feature_bounds",
+    "kernel_view",
+    "lookup_features",
+    "lookup_in_groups",
+]
 
 MIN_IDS_PER_GROUP = 1024
 """A batch is split into at most ``ids // MIN_IDS_PER_GROUP`` groups (a fork costs more than
 looking up fewer ids)."""
+
+NATIVE_MIN_IDS = 512
+"""A group of at least this many ids maps them with ``torch.ops.recsdk.pruned_slots_lookup``
+(fewer: with FBGEMM's ``pruned_hashmap_lookup``, whose dispatch costs a few microseconds less)."""
 
 
 class KernelView(NamedTuple):
@@ -149,6 +167,7 @@ def lookup_features(
     slot_offsets: torch.Tensor,
     minus_one: torch.Tensor,
     kernel: KernelView,
+    native_min_ids: int = -1,
 ) -> torch.Tensor:
     """Look features ``first:end`` of a batch up: their ids' rows, then the kernel's output.
 
@@ -164,6 +183,9 @@ def lookup_features(
         minus_one (torch.Tensor): int64 ``[m, 3]``: (first feature, end feature, row) of the
             tables holding the id ``-1``, which the slots cannot hold.
         kernel (KernelView): the rows.
+        native_min_ids (int): from how many ids of the group the rows come from
+            ``torch.ops.recsdk.pruned_slots_lookup`` (:data:`NATIVE_MIN_IDS`) instead of FBGEMM's
+            ``pruned_hashmap_lookup`` (the same rows); negative: never (recsdk's kernel not built).
 
     Returns:
         torch.Tensor: pooled: float32 ``[batch, D]`` (``D`` the group's dims); unpooled: one row
@@ -171,7 +193,7 @@ def lookup_features(
 
     Example::
 
-        pooled = lookup_features(values, offsets, None, batch, 0, 2, slots, slot_offsets, minus_one, view)
+        pooled = lookup_features(values, offsets, None, batch, 0, 2, slots, slot_offsets, minus_one, view, 512)
     """
     placements, table_offsets, types, dims = kernel.placements, kernel.offsets, kernel.types, kernel.dim_offsets
     total_dim, begin, group_offsets = kernel.ints[3], 0, offsets
@@ -187,7 +209,10 @@ def lookup_features(
         dims = dims[first : end + 1]
         total_dim = int(dims[-1] - dims[0])
         dims = dims - dims[0]
-    rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, group_offsets, slots, slot_offsets[first : end + 1])
+    if 0 <= native_min_ids <= values.numel():
+        rows = torch.ops.recsdk.pruned_slots_lookup(values, group_offsets, slots, slot_offsets[first : end + 1])
+    else:
+        rows = torch.ops.fbgemm.pruned_hashmap_lookup(values, group_offsets, slots, slot_offsets[first : end + 1])
     for i in range(minus_one.shape[0]):
         lo, hi = max(int(minus_one[i, 0]), first), min(int(minus_one[i, 1]), end)
         if lo < hi:
@@ -234,13 +259,14 @@ def lookup_in_groups(
     minus_one: torch.Tensor,
     kernel: KernelView,
     pooled: bool,
+    native_min_ids: int = -1,
 ) -> torch.Tensor:
     """:func:`lookup_features` of every group of ``bounds``, the first on the calling thread, the
     others forked; their outputs joined in feature order.
 
     Args:
-        values, offsets, weights, batch, slots, slot_offsets, minus_one, kernel: as for
-            :func:`lookup_features`.
+        values, offsets, weights, batch, slots, slot_offsets, minus_one, kernel, native_min_ids:
+            as for :func:`lookup_features` (``native_min_ids`` applies to each group).
         bounds (list[int]): the groups, from :func:`feature_bounds`.
         pooled (bool): whether the kernel pools (outputs side by side) or not (one below the other).
 
@@ -251,7 +277,7 @@ def lookup_in_groups(
 
         bounds = feature_bounds(offsets, batch, len(features), 2)
         pooled = lookup_in_groups(kjt.values(), offsets, None, batch, bounds, slots, slot_offsets,
-                                  minus_one, kernel_view(tbe), True)
+                                  minus_one, kernel_view(tbe), True, NATIVE_MIN_IDS)
     """
     futures: list[torch.jit.Future[torch.Tensor]] = []
     for g in range(1, len(bounds) - 1):
@@ -268,9 +294,12 @@ def lookup_in_groups(
                 slot_offsets,
                 minus_one,
                 kernel,
+                native_min_ids,
             )
         )
-    out = lookup_features(values, offsets, weights, batch, bounds[0], bounds[1], slots, slot_offsets, minus_one, kernel)
+    out = lookup_features(
+        values, offsets, weights, batch, bounds[0], bounds[1], slots, slot_offsets, minus_one, kernel, native_min_ids
+    )
     if len(futures) == 0:
         return out
     outputs = [out]

@@ -5,9 +5,11 @@
 the same keys, order and dims), :class:`ServingEmbeddingCollection` for a
 :class:`~recsdk.embedding.HashEmbeddingCollection` (to ``dict[str, JaggedTensor]``).
 
-A forward maps every feature's raw ids to rows in one call of FBGEMM's
-``pruned_hashmap_lookup`` (over the slots of each table's :class:`~recsdk.serving.served_table.ServedTable`
-index, laid end to end once per applied version), then looks them up in one call of FBGEMM's inference kernel,
+A forward maps every feature's raw ids to rows in one call of recsdk's ``pruned_slots_lookup`` op
+(FBGEMM's ``pruned_hashmap_lookup`` with prefetching, :mod:`recsdk.embedding.slot_lookup`; FBGEMM's
+own for small batches or where recsdk's kernel is not built) over the slots of each table's
+:class:`~recsdk.serving.served_table.ServedTable` index, laid end to end once per applied version,
+then looks them up in one call of FBGEMM's inference kernel,
 ``IntNBitTableBatchedEmbeddingBagsCodegen`` (what TorchRec's quantized inference modules run),
 whose rows are in the dtype published: fp32, fp16, or int8 with a float16 scale and bias per row,
 copied in as published. Ids a table does not hold map to ``-1``, which the kernel skips: zeros,
@@ -29,9 +31,11 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsdk.embedding import HashEmbeddingBagCollection, HashEmbeddingCollection, IdTable, PublishedVersion
+from recsdk.embedding.slot_lookup import native_lookup_available
 from recsdk.serving.batch_checks import check_batch
 from recsdk.serving.grouped_lookup import (
     MIN_IDS_PER_GROUP,
+    NATIVE_MIN_IDS,
     KernelView,
     feature_bounds,
     kernel_view,
@@ -54,6 +58,10 @@ class _ServingCollection(nn.Module):
             README). Scripting copies it.
         min_ids_per_group (int): the fewest ids a thread looks up (a smaller batch is looked up
             on the calling thread alone).
+        native_min_ids (int): from how many ids (per group) a forward maps them with
+            ``torch.ops.recsdk.pruned_slots_lookup`` rather than FBGEMM's ``pruned_hashmap_lookup``
+            (same rows); :data:`~recsdk.serving.grouped_lookup.NATIVE_MIN_IDS`, or -1 (never)
+            where recsdk's kernel is not built. Scripting copies it.
     """
 
     # What a forward reads of ``tbe``. TorchScript types the attribute from this annotation, which
@@ -80,6 +88,7 @@ class _ServingCollection(nn.Module):
         self.kernel = kernel_view(self.tbe)
         self.lookup_threads = 1
         self.min_ids_per_group = MIN_IDS_PER_GROUP
+        self.native_min_ids = NATIVE_MIN_IDS if native_lookup_available() else -1
         # Every feature's slots of its table's index, end to end (a table read by several
         # features appears once per feature), and the tables that hold the id -1.
         self.index_slots: torch.Tensor
@@ -137,6 +146,7 @@ class _ServingCollection(nn.Module):
             self.minus_one,
             self.kernel,
             self.pooled,
+            self.native_min_ids,
         )
         return features, out
 
