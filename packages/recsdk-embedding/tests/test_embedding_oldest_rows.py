@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsdk.embedding import CountAdmission, IdTable, LRUEviction, TableFullError, TTLEviction
+from recsdk.embedding import CountAdmission, IdTable, LRUEviction, TableFullError, TTLEviction, id_table_eviction
 from recsdk.embedding.oldest_rows import OldestRows
+from recsdk.embedding.slot_kernels import native_slot_kernels, native_unavailable_reason
 
 
 def _run(policy, seed: int, pin: bool, admission: bool) -> tuple[list[torch.Tensor], list, dict]:
@@ -40,9 +41,15 @@ def _run(policy, seed: int, pin: bool, admission: bool) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("policy", [LRUEviction(), TTLEviction(max_idle_steps=50)], ids=["lru", "ttl"])
 @pytest.mark.parametrize("pin", [False, True])
 @pytest.mark.parametrize("admission", [False, True])
+@pytest.mark.parametrize("queue", ["native", "torch"])
 def test_the_queue_frees_the_rows_a_full_scan_frees_in_its_order(
-    monkeypatch, policy, pin: bool, admission: bool
+    monkeypatch, policy, pin: bool, admission: bool, queue: str
 ) -> None:
+    """The queue, run by recsdk's kernels or by torch ops, frees exactly the victims of a full scan."""
+    if queue == "torch":
+        monkeypatch.setattr(id_table_eviction, "native_slot_kernels", lambda: None)
+    elif native_slot_kernels() is None:
+        pytest.skip(f"recsdk's kernels are not built: {native_unavailable_reason()}")
     with monkeypatch.context() as m:  # the reference: every eviction scans the whole table
         m.setattr(OldestRows, "take", lambda *args, **kwargs: None)
         m.setattr(OldestRows, "can_free", lambda *args, **kwargs: False)

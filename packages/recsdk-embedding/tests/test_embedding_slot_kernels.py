@@ -12,6 +12,7 @@ import torch
 
 from recsdk.embedding import IdTable, LRUEviction, count_sketch, slot_index
 from recsdk.embedding.count_sketch import CountMinSketch
+from recsdk.embedding.oldest_rows import RowsInUse
 from recsdk.embedding.slot_index import FbgemmSlotIndex
 from recsdk.embedding.slot_kernels import native_slot_kernels, native_unavailable_reason
 
@@ -202,3 +203,20 @@ def test_the_sketch_kernels_refuse_what_they_cannot_read() -> None:
     assert int(counters.sum()) == 0  # nothing written
     with pytest.raises(TypeError, match=r"counts torch\.int64 for torch\.int32 counters"):
         kernels.sketch_raise(positions, torch.tensor([3]), counters)
+
+
+def test_the_queue_kernels_refuse_a_row_outside_the_tables_arrays() -> None:
+    kernels = native_slot_kernels()
+    assert kernels is not None
+    last_step = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    in_use = RowsInUse(last_step, torch.ones(4, dtype=torch.int8), None, None, torch.zeros(4, dtype=torch.bool))
+    queue = torch.tensor([0, 1, 4], dtype=torch.int64)  # row 4: past the 4 rows
+    with pytest.raises(ValueError, match="outside the 4 rows"):
+        kernels.queue_take(queue, in_use, 10, 1, 1)
+    assert queue.tolist() == [0, 1, 4]  # the queue as it was
+    queue = torch.tensor([0, 1, 2], dtype=torch.int64)  # by (last step, row) at a scan; row 0 reused since
+    last_step[0] = 20
+    victims, kept = kernels.queue_take(queue, in_use, 10, 1, 5)  # 5 rows wanted, 2 may go
+    assert victims is None and queue[:kept].tolist() == [1, 2]
+    victims, kept = kernels.queue_take(queue[:kept], in_use, 10, 1, 2)
+    assert victims is not None and victims.tolist() == [1, 2] and kept == 0

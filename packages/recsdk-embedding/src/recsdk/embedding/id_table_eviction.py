@@ -31,6 +31,7 @@ from recsdk.embedding.oldest_rows import OldestRows, RowsInUse
 from recsdk.embedding.policies import EvictionPolicy, LFUEviction, ScoreEviction, TTLEviction
 from recsdk.embedding.row_allocator import RowAllocator
 from recsdk.embedding.row_states import INT32_MAX, OCCUPIED
+from recsdk.embedding.slot_kernels import native_slot_kernels
 
 _INT64_MAX = 2**63 - 1
 _QUEUE_STEPS = 16  # a scan for the oldest rows finds this many steps' victims (at the step's count)
@@ -81,7 +82,8 @@ class IdTableEviction:
         self._scores = scores
         self._capacity = capacity
         self._device = device
-        self._oldest = OldestRows(OCCUPIED)  # the least recently used rows, for several evictions
+        kernels = native_slot_kernels() if torch.device(device).type == "cpu" else None
+        self._oldest = OldestRows(OCCUPIED, kernels)  # the least recently used rows, for several evictions
         self.reset()
 
     def reset(self) -> None:

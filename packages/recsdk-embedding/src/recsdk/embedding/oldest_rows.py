@@ -23,8 +23,12 @@ table's own full selection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from recsdk.embedding.slot_kernels import SlotKernels
 
 __all__ = ["OldestRows", "RowsInUse"]
 
@@ -54,6 +58,12 @@ class RowsInUse:
 class OldestRows:
     """The rows of one id table with the oldest last steps, in ``(last_step, row)`` order.
 
+    Args:
+        occupied_state (int): the per-row state of a row holding an id.
+        kernels (SlotKernels | None): recsdk's native kernels, which run :meth:`can_free` and
+            :meth:`take` in one call each (CPU tables; None: torch ops). Both give the same victims
+            and leave the same queue.
+
     Example::
 
         oldest = OldestRows(occupied_state=1)
@@ -64,8 +74,9 @@ class OldestRows:
             victims = oldest.take(count, in_use)
     """
 
-    def __init__(self, occupied_state: int) -> None:
+    def __init__(self, occupied_state: int, kernels: SlotKernels | None = None) -> None:
         self._occupied_state = occupied_state  # the per-row state of a row holding an id
+        self._kernels = kernels  # recsdk's native kernels (CPU tables), else torch ops
         self._rows: torch.Tensor | None = None  # int64, sorted by (last_step, row)
         self._threshold = 0  # every row outside the queue had a last step >= this at the scan
 
@@ -98,6 +109,8 @@ class OldestRows:
         rows = self._rows
         if rows is None or rows.numel() < count:
             return False
+        if self._kernels is not None:
+            return self._kernels.queue_free_rows(rows, in_use, self._threshold, self._occupied_state) >= count
         _, _, free = self._free(rows, in_use)
         return int(free.sum()) >= count
 
@@ -112,6 +125,10 @@ class OldestRows:
         rows = self._rows
         if rows is None or rows.numel() < count:
             return None
+        if self._kernels is not None:  # the same victims and queue, in one call
+            victims, kept_rows = self._kernels.queue_take(rows, in_use, self._threshold, self._occupied_state, count)
+            self._rows = rows[:kept_rows]
+            return victims
         keys, kept, free = self._free(rows, in_use)
         positions = free.nonzero().squeeze(1)[:count]
         if positions.numel() < count:

@@ -15,6 +15,7 @@
  * (contiguous int64 arrays of the given lengths); nothing here allocates.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline uint64_t slot_hash(uint64_t h) {
     h ^= h >> 33;
@@ -232,3 +233,72 @@ int64_t slots_remove(const int64_t *ids, int64_t n, int64_t *slots, int64_t num_
 
 SKETCH_KERNELS(int32_t, int32)
 SKETCH_KERNELS(int64_t, int64)
+
+/* The queue of an id table's oldest rows (oldest_rows.py): rows[0:q], in (last step, row) order
+ * at its scan. A queued row r stays queued while last_step[r] < threshold and row_state[r] is
+ * `occupied`; it may go now when it also is not in the batch (batch[r] == 0), has no pin
+ * (pins == NULL or pins[r] == 0) and, with has_since, was last used before `since`. Every row must
+ * lie below `limit` (the length of each per-row array), else QUEUE_BAD_ROW is returned and nothing
+ * changes.
+ *
+ * queue_free_rows: how many queued rows may go now (reads only).
+ * queue_take: when at least `count` may go, writes the first `count` of them to out (those below
+ * the last one's last step in ascending row order, then its ties in ascending row order: the
+ * order of the table's full selection), drops them and the rows that left the queue from rows
+ * (keeping the order), and returns the new length; else drops only the rows that left and
+ * returns -1 - the new length. */
+#define QUEUE_BAD_ROW INT64_MIN
+
+static inline int queued_row_stays(int64_t r, const int32_t *last_step, const int8_t *row_state, int8_t occupied,
+                                   int64_t threshold) {
+    return last_step[r] < threshold && row_state[r] == occupied;
+}
+
+static inline int queued_row_goes(int64_t r, const int32_t *last_step, const uint8_t *batch, const int32_t *pins,
+                                  int has_since, int64_t since) {
+    return !batch[r] && (pins == 0 || pins[r] == 0) && (!has_since || last_step[r] < since);
+}
+
+int64_t queue_free_rows(const int64_t *rows, int64_t q, int64_t limit, const int32_t *last_step,
+                        const int8_t *row_state, int8_t occupied, int64_t threshold, const uint8_t *batch,
+                        const int32_t *pins, int has_since, int64_t since) {
+    int64_t free = 0;
+    for (int64_t i = 0; i < q; i++) {
+        if (rows[i] < 0 || rows[i] >= limit) return QUEUE_BAD_ROW;
+    }
+    for (int64_t i = 0; i < q; i++) {
+        const int64_t r = rows[i];
+        free += queued_row_stays(r, last_step, row_state, occupied, threshold) &&
+                queued_row_goes(r, last_step, batch, pins, has_since, since);
+    }
+    return free;
+}
+
+static int by_row(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+int64_t queue_take(int64_t *rows, int64_t q, int64_t limit, const int32_t *last_step, const int8_t *row_state,
+                   int8_t occupied, int64_t threshold, const uint8_t *batch, const int32_t *pins, int has_since,
+                   int64_t since, int64_t count, int64_t *out) {
+    const int64_t free = queue_free_rows(rows, q, limit, last_step, row_state, occupied, threshold, batch, pins,
+                                         has_since, since);
+    if (free == QUEUE_BAD_ROW) return QUEUE_BAD_ROW;
+    const int take = free >= count;
+    int64_t kept = 0, taken = 0;
+    for (int64_t i = 0; i < q; i++) {
+        const int64_t r = rows[i];
+        if (!queued_row_stays(r, last_step, row_state, occupied, threshold)) continue;
+        if (take && taken < count && queued_row_goes(r, last_step, batch, pins, has_since, since)) {
+            out[taken++] = r;
+            continue;
+        }
+        rows[kept++] = r;
+    }
+    if (!take) return -1 - kept;
+    int64_t below = 0; /* out is in (last step, row) order: the ties of the last one's step end it */
+    while (below < count && last_step[out[below]] < last_step[out[count - 1]]) below++;
+    qsort(out, (size_t)below, sizeof(int64_t), by_row);
+    return kept;
+}

@@ -39,16 +39,19 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from recsdk.embedding.hashing import fmix64
+from recsdk.embedding.oldest_rows import RowsInUse
 
 __all__ = ["SlotKernels", "native_slot_kernels", "native_unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("slot_kernels.c")
 _ENV_SWITCH = "RECSDK_NATIVE_KERNELS"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_QUEUE_BAD_ROW = -(2**63)  # the queue kernels' answer for a row outside the per-row arrays
 
 
 class SlotKernels:
@@ -77,6 +80,12 @@ class SlotKernels:
             fn.argtypes, fn.restype = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR], None
         for fn in self._sketch_raise.values():
             fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _PTR, _I64], _I64
+        queue: list[type[ctypes._SimpleCData[Any]]] = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int8, _I64, _PTR, _PTR]
+        queue += [ctypes.c_int, _I64]
+        self._queue_free_rows = lib.queue_free_rows
+        self._queue_free_rows.argtypes, self._queue_free_rows.restype = queue, _I64
+        self._queue_take = lib.queue_take
+        self._queue_take.argtypes, self._queue_take.restype = [*queue, _I64, _PTR], _I64
 
     def lookup(self, slots: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Rows of ``ids [n]`` (``-1`` where absent), and how many are absent. Reads only."""
@@ -146,6 +155,55 @@ class SlotKernels:
         )
         if code:
             raise ValueError(f"sketch_raise: a position lies outside the {counters.numel()} counters")
+
+    def queue_free_rows(self, rows: torch.Tensor, in_use: RowsInUse, threshold: int, occupied: int) -> int:
+        """How many of the queued ``rows`` (int64 ``[q]``) may go now (reads only), as
+        :class:`~recsdk.embedding.oldest_rows.OldestRows` decides: queued rows stay while their last
+        step is below ``threshold`` and their state is ``occupied``."""
+        return self._queue_call(self._queue_free_rows, rows, in_use, threshold, occupied)
+
+    def queue_take(
+        self, rows: torch.Tensor, in_use: RowsInUse, threshold: int, occupied: int, count: int
+    ) -> tuple[torch.Tensor | None, int]:
+        """Take ``count`` rows that may go from the queue ``rows`` (int64 ``[q]``, compacted in place).
+
+        Returns:
+            tuple: the victims (int64 ``[count]``: those below the last one's last step in
+            ascending row order, then its ties in ascending row order), or None when fewer may
+            go; and how many rows stay queued (the first ones of ``rows``).
+        """
+        out = torch.empty(count, dtype=torch.int64)
+        kept = self._queue_call(self._queue_take, rows, in_use, threshold, occupied, count, out.data_ptr())
+        return (out, kept) if kept >= 0 else (None, -1 - kept)
+
+    @staticmethod
+    def _queue_call(fn: Any, rows: torch.Tensor, q: RowsInUse, threshold: int, occupied: int, *extra: int) -> int:
+        _check_arrays(rows)
+        per_row = [(q.last_step, torch.int32), (q.row_state, torch.int8), (q.batch, torch.bool)]
+        if q.pins is not None:
+            per_row.append((q.pins, torch.int32))
+        for t, dtype in per_row:
+            _check_arrays(t, dtype=dtype)
+        limit = min(t.numel() for t, _ in per_row)
+        pins = 0 if q.pins is None else q.pins.data_ptr()
+        since = 0 if q.since is None else q.since
+        code = fn(
+            rows.data_ptr(),
+            rows.numel(),
+            limit,
+            q.last_step.data_ptr(),
+            q.row_state.data_ptr(),
+            occupied,
+            threshold,
+            q.batch.data_ptr(),
+            pins,
+            q.since is not None,
+            since,
+            *extra,
+        )
+        if code == _QUEUE_BAD_ROW:
+            raise ValueError(f"queue of oldest rows: a queued row lies outside the {limit} rows of its per-row arrays")
+        return int(code)
 
 
 def _sketch_args(salts: torch.Tensor, width: int, counters: torch.Tensor, ids: torch.Tensor) -> int:
